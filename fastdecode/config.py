@@ -1,0 +1,135 @@
+"""The one configuration object of fastdecode.
+
+Every setting the engine, the attention backends and the scheduler read lives
+here. Environment variables are read in `EngineConfig.from_env` and nowhere else.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
+
+ATTENTION_BACKENDS = ("local", "remote", "torch")
+SCHEDULERS = ("fcfs", "sls")
+KV_FORMATS = ("fp16", "int4")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # model
+    model: str = str(DEFAULT_MODEL_DIR)
+    dtype: str = "float32"
+    device: str = "auto"                  # "auto" = cuda when present, else cpu
+    max_model_len: int = 0                # 0 = the checkpoint's max_position_embeddings
+
+    # R-Part (attention backend)
+    attention: str = "local"              # local | remote | torch (pure-torch reference)
+    rworkers: tuple[str, ...] = ()        # "host:port" of R-workers (attention="remote")
+    rworker_token: str = ""               # shared secret sent on every R-worker call
+    rworker_tls_ca: str = ""              # CA bundle to verify R-workers (enables TLS)
+    rworker_tls_cert: str = ""            # client cert/key for mutual TLS
+    rworker_tls_key: str = ""
+    rworker_timeout_s: float = 10.0       # deadline of one R-worker call
+    head_shards: int = 1                  # R-workers that split one sequence's KV heads
+    kv_format: str = "fp16"               # fp16 | int4
+    kv_capacity_bytes: int = 2 << 30      # local backend's KV pool
+    kv_block_size: int = 16               # tokens per KV block
+    kernel_threads: int = 0               # 0 = all cores
+
+    # batching and admission
+    max_running: int = 256                # sequences decoding at once
+    max_waiting: int = 4096               # queued requests before new ones are refused
+    max_prefill_tokens: int = 4096        # prompt tokens prefilled in one step
+    num_minibatches: int = 2              # ping-pong mini-batches (PAPER.md, "Pipeline")
+    scheduler: str = "fcfs"               # fcfs | sls
+    sls_f: int = 8                        # admit a micro-batch every F steps
+    sls_w_lim: int = 0                    # bound on total context in flight; 0 = derive
+    sls_target_len: int = 0               # S of Algorithm 1; 0 = derive from requests
+
+    # observability
+    trace_path: str = ""                  # JSON lines of per-step trace; "" = off
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"EngineConfig: {msg}")
+
+        check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check(self.attention in ATTENTION_BACKENDS,
+              f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
+        check(self.scheduler in SCHEDULERS, f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        check(self.kv_format in KV_FORMATS, f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
+        check(self.attention != "remote" or len(self.rworkers) > 0,
+              "attention='remote' needs at least one R-worker address")
+        check(self.max_running >= 1 and self.max_waiting >= 0, "max_running >= 1 and max_waiting >= 0")
+        check(self.num_minibatches in (1, 2), "num_minibatches must be 1 or 2")
+        check(self.sls_f >= 1, "sls_f must be >= 1")
+        check(self.head_shards >= 1, "head_shards must be >= 1")
+        check(self.kv_block_size >= 1 and self.kv_capacity_bytes > 0, "kv_block_size and kv_capacity_bytes > 0")
+
+    @property
+    def torch_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch  # imported lazily: the config is torch-free for the scheduler
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def replace(self, **changes) -> "EngineConfig":
+        return replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "EngineConfig":
+        """Build from strings (Triton parameters, CLI, env): unknown keys are an error."""
+        known = {f.name: f for f in fields(cls)}
+        kwargs = {}
+        for key, raw in values.items():
+            if key not in known:
+                raise ValueError(f"EngineConfig: unknown setting {key!r}")
+            kwargs[key] = _coerce(known[key].type, raw, key)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_env(cls, prefix: str = "FASTDECODE_", **overrides) -> "EngineConfig":
+        values = {}
+        for f in fields(cls):
+            env = os.environ.get(prefix + f.name.upper())
+            if env is not None:
+                values[f.name] = env
+        values.update(overrides)
+        return cls.from_dict(values)
+
+
+def _coerce(type_name: str, raw, key: str):
+    if not isinstance(raw, str):
+        return tuple(raw) if type_name.startswith("tuple") and not isinstance(raw, tuple) else raw
+    try:
+        if type_name == "int":
+            return parse_size(raw)
+        if type_name == "float":
+            return float(raw)
+        if type_name == "bool":
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        if type_name.startswith("tuple"):
+            return tuple(a.strip() for a in raw.split(",") if a.strip())
+    except ValueError:
+        raise ValueError(f"EngineConfig: {key}={raw!r} is not a valid {type_name}") from None
+    return raw
+
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'4096', '512M', '2G' (binary units, optional trailing 'iB'/'B') -> int."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1] if t and t[-1] in _SUFFIX else ""
+    number = t[: len(t) - len(unit)].strip()
+    if not number.lstrip("-").isdigit():
+        raise ValueError(f"not a whole number or size: {text!r}")
+    return int(number) * _SUFFIX[unit]
