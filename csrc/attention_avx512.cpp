@@ -1,0 +1,72 @@
+// AVX-512 path (F + BW + VL; fp16 converted with vcvtph2ps): W = 16 lanes.
+#include "common.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+// GCC 12 warns about _mm512_undefined_ps() inside its own intrinsics.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+namespace fd {
+namespace avx512_isa {
+
+struct V {
+  static constexpr int W = 16, kRegs = 32;
+  typedef __m512 F;
+  static inline F zero() { return _mm512_setzero_ps(); }
+  static inline F set1(float x) { return _mm512_set1_ps(x); }
+  static inline F load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static inline F load_h(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static inline F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static inline float hmax(F x) { return _mm512_reduce_max_ps(x); }
+  static inline float hsum(F x) { return _mm512_reduce_add_ps(x); }
+  // 2^x for x <= 0: scalef(poly(frac), round(x)), 0 below -126 (covers -inf).
+  static inline F exp2(F x) {
+    const F lim = _mm512_set1_ps(-126.0f);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, lim, _CMP_GE_OQ);
+    x = _mm512_max_ps(x, lim);
+    const F n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const F f = _mm512_sub_ps(x, n);
+    F p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+  }
+  static inline void nib(const uint8_t* p, F& lo, F& hi) {
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4));
+  }
+  static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+};
+
+#include "attention_impl.h"
+
+}  // namespace avx512_isa
+}  // namespace fd
+
+#pragma GCC pop_options
+
+namespace fd {
+ItemsFn avx512_items() { return &avx512_isa::run_items; }
+}  // namespace fd
+
+#else
+namespace fd {
+ItemsFn avx512_items() { return nullptr; }
+}  // namespace fd
+#endif

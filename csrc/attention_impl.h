@@ -1,0 +1,300 @@
+// Decode attention over the paged KV store, written once over a small vector
+// trait `V` (W lanes of fp32) and instantiated per ISA by attention_<isa>.cpp.
+//
+// Included INSIDE a per-ISA namespace after `V` is defined; it must include
+// nothing itself (every instantiation here is compiled for that ISA only).
+//
+// Reference (what every path computes, per sequence b and query head j, with
+// kv head h = j / G and the cache K, V of h):
+//     s_t = (q_j . K_t) / sqrt(D);   o_j = sum_t softmax(s)_t V_t
+// in one pass over the blocks with an online softmax (running max m, running
+// sum l, accumulator acc rescaled by 2^(m_old - m_new)); scores are kept in
+// log2 units (q is pre-multiplied by log2(e) / sqrt(D)). All math in fp32.
+// The plain float64 version is `reference_attention` in fastdecode/kernels.py.
+//
+// int4: a stored value is x = scale * u + zero (u in 0..15, per group of qg
+// channels of one token). The kernels never materialise x:
+//     q . k   = sum_groups  scale_g * (q . u)_g + zero_g * sum_g(q)
+//     sum_t p_t v_t = sum_t (p_t * scale_t) u_t  +  sum_t p_t * zero_t   (per group)
+
+typedef V::F F;
+constexpr int W = V::W;
+
+// QK for GT query heads against up to one block of fp16 keys: P[g][t] = q_g . k_t
+template <int GT>
+static void scores_fp16(const Layout& L, const uint8_t* head, int n, const float* q, float* P) {
+  constexpr int C = GT == 1 ? 4 : (GT <= 3 ? 2 : 1);  // independent FMA chains per head
+  const int D = L.head_dim, bsp = L.bsp;
+  const uint16_t* K = reinterpret_cast<const uint16_t*>(head + L.k_off);
+  for (int c0 = 0; c0 < n; c0 += W) {
+    F s[GT][C];
+    for (int g = 0; g < GT; ++g)
+      for (int j = 0; j < C; ++j) s[g][j] = V::zero();
+    int d = 0;
+    for (; d + C <= D; d += C) {
+      for (int j = 0; j < C; ++j) {
+        const F k = V::load_h(K + static_cast<size_t>(d + j) * bsp + c0);
+        for (int g = 0; g < GT; ++g) s[g][j] = V::fma(V::set1(q[g * D + d + j]), k, s[g][j]);
+      }
+    }
+    for (; d < D; ++d) {
+      const F k = V::load_h(K + static_cast<size_t>(d) * bsp + c0);
+      for (int g = 0; g < GT; ++g) s[g][0] = V::fma(V::set1(q[g * D + d]), k, s[g][0]);
+    }
+    for (int g = 0; g < GT; ++g) {
+      F t = s[g][0];
+      for (int j = 1; j < C; ++j) t = V::add(t, s[g][j]);
+      V::store(P + g * bsp + c0, t);
+    }
+  }
+}
+
+// QK for int4 keys. qsum[g * ng + grp] = sum of q_g over the channels of group grp.
+template <int GT>
+static void scores_int4(const Layout& L, const uint8_t* head, int n, const float* q, const float* qsum,
+                        float* P) {
+  const int D = L.head_dim, bsp = L.bsp, qg = L.qgroup, ng = D / qg;
+  const uint8_t* Kn = head + L.k_off;
+  const uint16_t* Ks = reinterpret_cast<const uint16_t*>(head + L.ks_off);
+  const uint16_t* Kz = reinterpret_cast<const uint16_t*>(head + L.kz_off);
+  for (int c0 = 0; c0 < n; c0 += W) {
+    F s[GT];
+    for (int g = 0; g < GT; ++g) s[g] = V::zero();
+    for (int grp = 0; grp < ng; ++grp) {
+      F r[GT][4];
+      for (int g = 0; g < GT; ++g)
+        for (int j = 0; j < 4; ++j) r[g][j] = V::zero();
+      // two channel-pair rows per step: 4 independent chains per head
+      for (int pr = 0; pr < qg / 2; pr += 2) {
+        const int d = grp * qg + 2 * pr;
+        F lo0, hi0, lo1, hi1;
+        V::nib(Kn + static_cast<size_t>(grp * qg / 2 + pr) * bsp + c0, lo0, hi0);
+        V::nib(Kn + static_cast<size_t>(grp * qg / 2 + pr + 1) * bsp + c0, lo1, hi1);
+        for (int g = 0; g < GT; ++g) {
+          const float* qd = q + g * D + d;
+          r[g][0] = V::fma(V::set1(qd[0]), lo0, r[g][0]);
+          r[g][1] = V::fma(V::set1(qd[1]), hi0, r[g][1]);
+          r[g][2] = V::fma(V::set1(qd[2]), lo1, r[g][2]);
+          r[g][3] = V::fma(V::set1(qd[3]), hi1, r[g][3]);
+        }
+      }
+      const F ks = V::load_h(Ks + static_cast<size_t>(grp) * bsp + c0);
+      const F kz = V::load_h(Kz + static_cast<size_t>(grp) * bsp + c0);
+      for (int g = 0; g < GT; ++g) {
+        const F dot = V::add(V::add(r[g][0], r[g][1]), V::add(r[g][2], r[g][3]));
+        s[g] = V::fma(ks, dot, s[g]);
+        s[g] = V::fma(kz, V::set1(qsum[g * ng + grp]), s[g]);
+      }
+    }
+    for (int g = 0; g < GT; ++g) V::store(P + g * bsp + c0, s[g]);
+  }
+}
+
+// Online softmax over one block of scores p[0..n) (log2 units). On return
+// p[t] = 2^(s_t - m_new) with zeros up to the next multiple of W; m, l updated.
+// Returns the factor the accumulator must be scaled by.
+static float softmax_block(float* p, int n, float& m, float& l) {
+  const int nr = (n + W - 1) / W * W;
+  for (int t = n; t < nr; ++t) p[t] = -__builtin_inff();
+  F mx = V::set1(-__builtin_inff());
+  for (int c0 = 0; c0 < nr; c0 += W) mx = V::max(mx, V::load(p + c0));
+  const float m_new = m > V::hmax(mx) ? m : V::hmax(mx);
+  const float corr = __builtin_exp2f(m - m_new);  // 0 on the first block (m = -inf)
+  const F mv = V::set1(m_new);
+  F sum = V::zero();
+  for (int c0 = 0; c0 < nr; c0 += W) {
+    const F e = V::exp2(V::sub(V::load(p + c0), mv));
+    V::store(p + c0, e);
+    sum = V::add(sum, e);
+  }
+  l = l * corr + V::hsum(sum);
+  m = m_new;
+  return corr;
+}
+
+// Vectors of D kept in registers per head in the PV loop (GT heads + one V row).
+template <int GT>
+constexpr int pv_chunk() {
+  return (GT + 1) * 4 <= V::kRegs - 4 ? 4 : ((GT + 1) * 2 <= V::kRegs - 2 ? 2 : 1);
+}
+
+template <int GT, int DC>
+static void pv_fp16_chunk(const uint16_t* Vr, int D, int n, const float* P, int bsp, float* acc, int d0) {
+  F a[GT][DC];
+  for (int g = 0; g < GT; ++g)
+    for (int j = 0; j < DC; ++j) a[g][j] = V::load(acc + g * D + d0 + j * W);
+  for (int t = 0; t < n; ++t) {
+    F v[DC];
+    for (int j = 0; j < DC; ++j) v[j] = V::load_h(Vr + static_cast<size_t>(t) * D + d0 + j * W);
+    for (int g = 0; g < GT; ++g) {
+      const F p = V::set1(P[g * bsp + t]);
+      for (int j = 0; j < DC; ++j) a[g][j] = V::fma(p, v[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < GT; ++g)
+    for (int j = 0; j < DC; ++j) V::store(acc + g * D + d0 + j * W, a[g][j]);
+}
+
+// acc[g] += sum_t P[g][t] * V_t (fp16 values)
+template <int GT>
+static void pv_fp16(const Layout& L, const uint8_t* head, int n, const float* P, float* acc) {
+  constexpr int DC = pv_chunk<GT>();
+  const int D = L.head_dim;
+  const uint16_t* Vr = reinterpret_cast<const uint16_t*>(head + L.v_off);
+  int d0 = 0;
+  for (; d0 + DC * W <= D; d0 += DC * W) pv_fp16_chunk<GT, DC>(Vr, D, n, P, L.bsp, acc, d0);
+  for (; d0 < D; d0 += W) pv_fp16_chunk<GT, 1>(Vr, D, n, P, L.bsp, acc, d0);
+}
+
+// acc[g] += sum_t (P[g][t] * scale_t) * u_t;  zacc[g][grp] (W lanes) += sum_t P[g][t] * zero_t
+template <int GT>
+static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P, float* Cc, float* acc,
+                    float* zacc) {
+  const int D = L.head_dim, bsp = L.bsp, qg = L.qgroup, ng = D / qg, half = qg / 2;
+  const uint8_t* Vn = head + L.v_off;
+  const uint16_t* Vs = reinterpret_cast<const uint16_t*>(head + L.vs_off);
+  const uint16_t* Vz = reinterpret_cast<const uint16_t*>(head + L.vz_off);
+  const int nr = (n + W - 1) / W * W;  // P is zero on [n, nr)
+  for (int g = 0; g < GT; ++g) {
+    for (int grp = 0; grp < ng; ++grp) {
+      F z = V::load(zacc + (g * ng + grp) * W);
+      for (int c0 = 0; c0 < nr; c0 += W) {
+        const F p = V::load(P + g * bsp + c0);
+        V::store(Cc + (g * ng + grp) * bsp + c0, V::mul(p, V::load_h(Vs + grp * bsp + c0)));
+        z = V::fma(p, V::load_h(Vz + grp * bsp + c0), z);
+      }
+      V::store(zacc + (g * ng + grp) * W, z);
+    }
+  }
+  for (int grp = 0; grp < ng; ++grp) {
+    for (int i = 0; i < half; i += W) {
+      F lo_acc[GT], hi_acc[GT];
+      for (int g = 0; g < GT; ++g) {
+        lo_acc[g] = V::load(acc + g * D + grp * qg + i);
+        hi_acc[g] = V::load(acc + g * D + grp * qg + half + i);
+      }
+      const uint8_t* src = Vn + grp * half + i;
+      const float* cg = Cc + grp * bsp;
+      for (int t = 0; t < n; ++t) {
+        F lo, hi;
+        V::nib(src + static_cast<size_t>(t) * (D / 2), lo, hi);
+        for (int g = 0; g < GT; ++g) {
+          const F c = V::set1(cg[g * ng * bsp + t]);
+          lo_acc[g] = V::fma(c, lo, lo_acc[g]);
+          hi_acc[g] = V::fma(c, hi, hi_acc[g]);
+        }
+      }
+      for (int g = 0; g < GT; ++g) {
+        V::store(acc + g * D + grp * qg + i, lo_acc[g]);
+        V::store(acc + g * D + grp * qg + half + i, hi_acc[g]);
+      }
+    }
+  }
+}
+
+// Per-item running state, pointers into the thread's scratch.
+struct ItemState {
+  float *m, *l, *qsum, *acc, *zacc, *P, *Cc;
+};
+
+// One block, GT query heads (a tile of the item's G heads starting at g0).
+template <int GT>
+static void tile(const Layout& L, const uint8_t* head, int n, const float* q, const ItemState& st, int g0,
+                 int ng) {
+  const int D = L.head_dim, bsp = L.bsp;
+  float* P = st.P + g0 * bsp;
+  float* acc = st.acc + g0 * D;
+  if (L.int4)
+    scores_int4<GT>(L, head, n, q + g0 * D, st.qsum + g0 * ng, P);
+  else
+    scores_fp16<GT>(L, head, n, q + g0 * D, P);
+  for (int g = 0; g < GT; ++g) {
+    const float corr = softmax_block(P + g * bsp, n, st.m[g0 + g], st.l[g0 + g]);
+    if (corr != 1.0f) {
+      const F c = V::set1(corr);
+      for (int d = 0; d < D; d += W) V::store(acc + g * D + d, V::mul(c, V::load(acc + g * D + d)));
+      for (int i = 0; i < ng * W; i += W) {
+        float* z = st.zacc + (g0 + g) * ng * W + i;
+        V::store(z, V::mul(c, V::load(z)));
+      }
+    }
+  }
+  if (L.int4)
+    pv_int4<GT>(L, head, n, P, st.Cc, acc, st.zacc + g0 * ng * W);
+  else
+    pv_fp16<GT>(L, head, n, P, acc);
+}
+
+static void tile_any(int gt, const Layout& L, const uint8_t* head, int n, const float* q, const ItemState& st,
+                     int g0, int ng) {
+  switch (gt) {
+    case 1: tile<1>(L, head, n, q, st, g0, ng); break;
+    case 2: tile<2>(L, head, n, q, st, g0, ng); break;
+    case 3: tile<3>(L, head, n, q, st, g0, ng); break;
+    case 4: tile<4>(L, head, n, q, st, g0, ng); break;
+    case 5: tile<5>(L, head, n, q, st, g0, ng); break;
+    case 6: tile<6>(L, head, n, q, st, g0, ng); break;
+    case 7: tile<7>(L, head, n, q, st, g0, ng); break;
+    default: tile<8>(L, head, n, q, st, g0, ng); break;
+  }
+}
+
+static inline float* align16(float* p) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~static_cast<uintptr_t>(63));
+}
+
+static void prefetch_region(const uint8_t* p, size_t bytes) {
+  for (size_t off = 0; off < bytes; off += 64) V::prefetch(p + off);
+}
+
+// Work items [begin, end) of the job; scratch holds scratch_floats(L, G) floats.
+static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
+  const Layout& L = *J.L;
+  const int D = L.head_dim, G = J.G, Hkv = L.num_kv_heads, bs = L.block_size, bsp = L.bsp;
+  const int ng = L.int4 ? D / L.qgroup : 0;
+  ItemState st;
+  float* s = align16(scratch);
+  st.m = s;           s = align16(s + G);
+  st.l = s;           s = align16(s + G);
+  st.qsum = s;        s = align16(s + G * ng);
+  st.acc = s;         s = align16(s + G * D);
+  st.zacc = s;        s = align16(s + G * ng * 16);
+  st.P = s;           s = align16(s + G * bsp);
+  st.Cc = s;
+  for (int item = begin; item < end; ++item) {
+    const int b = item / Hkv, h = item % Hkv;
+    const int ntok = J.lens[b];
+    const int32_t* table = J.tables[b];
+    const float* q = J.q + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h) * G) * D;
+    for (int g = 0; g < G; ++g) {
+      st.m[g] = -__builtin_inff();
+      st.l[g] = 0.0f;
+    }
+    for (int i = 0; i < G * D; ++i) st.acc[i] = 0.0f;
+    for (int i = 0; i < G * ng * W; ++i) st.zacc[i] = 0.0f;
+    for (int g = 0; g < G; ++g)
+      for (int grp = 0; grp < ng; ++grp) {
+        float t = 0.0f;
+        for (int d = 0; d < L.qgroup; ++d) t += q[g * D + grp * L.qgroup + d];
+        st.qsum[g * ng + grp] = t;
+      }
+    const int nblk = (ntok + bs - 1) / bs;
+    const size_t hoff = static_cast<size_t>(h) * L.head_bytes;
+    for (int i = 0; i < nblk; ++i) {
+      const uint8_t* head = J.pool + static_cast<size_t>(table[i]) * L.block_bytes + hoff;
+      if (i + 1 < nblk) prefetch_region(J.pool + static_cast<size_t>(table[i + 1]) * L.block_bytes + hoff, L.head_bytes);
+      const int n = ntok - i * bs < bs ? ntok - i * bs : bs;
+      for (int g0 = 0; g0 < G; g0 += 8) tile_any(G - g0 < 8 ? G - g0 : 8, L, head, n, q, st, g0, ng);
+    }
+    float* out = J.out + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h) * G) * D;
+    for (int g = 0; g < G; ++g) {
+      const float inv = 1.0f / st.l[g];
+      for (int grp = 0; grp < ng; ++grp) {
+        const float z = V::hsum(V::load(st.zacc + (g * ng + grp) * W));
+        for (int d = grp * L.qgroup; d < (grp + 1) * L.qgroup; ++d) st.acc[g * D + d] += z;
+      }
+      for (int d = 0; d < D; ++d) out[g * D + d] = st.acc[g * D + d] * inv;
+    }
+    (void)bsp;
+  }
+}

@@ -1,0 +1,36 @@
+// Portable path: W = 1 lane, builds and runs on any 64-bit CPU.
+#include "common.h"
+
+namespace fd {
+namespace scalar_isa {
+
+struct V {
+  static constexpr int W = 1, kRegs = 16;
+  typedef float F;
+  static inline F zero() { return 0.0f; }
+  static inline F set1(float x) { return x; }
+  static inline F load(const float* p) { return *p; }
+  static inline void store(float* p, F x) { *p = x; }
+  static inline F load_h(const uint16_t* p) { return h2f(*p); }
+  static inline F fma(F a, F b, F c) { return a * b + c; }
+  static inline F add(F a, F b) { return a + b; }
+  static inline F sub(F a, F b) { return a - b; }
+  static inline F mul(F a, F b) { return a * b; }
+  static inline F max(F a, F b) { return a > b ? a : b; }
+  static inline float hmax(F x) { return x; }
+  static inline float hsum(F x) { return x; }
+  static inline F exp2(F x) { return x < -126.0f ? 0.0f : std::exp2(x); }
+  static inline void nib(const uint8_t* p, F& lo, F& hi) {
+    lo = static_cast<float>(p[0] & 15);
+    hi = static_cast<float>(p[0] >> 4);
+  }
+  static inline void prefetch(const void* p) { __builtin_prefetch(p); }
+};
+
+#include "attention_impl.h"
+
+}  // namespace scalar_isa
+
+ItemsFn scalar_items() { return &scalar_isa::run_items; }
+
+}  // namespace fd

@@ -1,0 +1,139 @@
+// Shared by every translation unit of the kernel: the block layout, the job
+// description the attention kernels consume, fp16 conversion and error types.
+//
+// This header is always included BEFORE any `#pragma GCC target` region, so
+// everything defined here is compiled for the baseline ISA only.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace fd {
+
+enum class Isa { scalar = 0, avx2 = 1, avx512 = 2 };
+
+// Thrown by the store; the bindings map them to KeyError / ValueError / KVCapacityError.
+struct KeyErr : std::runtime_error { using std::runtime_error::runtime_error; };
+struct ValueErr : std::runtime_error { using std::runtime_error::runtime_error; };
+struct CapacityErr : std::runtime_error { using std::runtime_error::runtime_error; };
+
+// IEEE fp16 <-> fp32, round to nearest even (portable; the hot paths use F16C).
+inline uint16_t f2h(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = x & 0x80000000u;
+  x ^= sign;
+  uint16_t o;
+  if (x >= 0x47800000u) {  // >= 65536, inf or nan
+    o = x > 0x7f800000u ? 0x7e00 : 0x7c00;
+  } else if (x < 0x38800000u) {  // < 2^-14: subnormal or zero; let the FPU round
+    float fx;
+    std::memcpy(&fx, &x, 4);
+    fx += 0.5f;
+    uint32_t r;
+    std::memcpy(&r, &fx, 4);
+    o = static_cast<uint16_t>(r - 0x3f000000u);
+  } else {
+    const uint32_t odd = (x >> 13) & 1u;
+    x += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + odd;
+    o = static_cast<uint16_t>(x >> 13);
+  }
+  return static_cast<uint16_t>(o | (sign >> 16));
+}
+
+inline float h2f(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7fffu;
+  uint32_t r;
+  if (em >= 0x7c00u) {
+    r = sign | 0x7f800000u | ((em & 0x3ffu) << 13);
+  } else if (em >= 0x0400u) {
+    r = sign | ((em << 13) + (static_cast<uint32_t>(127 - 15) << 23));
+  } else {
+    const float f = static_cast<float>(em) * 5.9604644775390625e-08f;  // em * 2^-24
+    std::memcpy(&r, &f, 4);
+    r |= sign;
+  }
+  float f;
+  std::memcpy(&f, &r, 4);
+  return f;
+}
+
+// One block holds `block_size` tokens of one (sequence, layer), all kv heads.
+// Inside it, each kv head owns one contiguous region (head_bytes), so the work
+// item (sequence, kv head) streams K then V of one region per block:
+//
+//   fp16:  K [D][bsp] (transposed: a row is one channel of bsp tokens)
+//          V [bs][D]
+//   int4:  K nibbles [D/2][bsp]   byte t of row r = channel 2r (low), 2r+1 (high) of token t
+//          K scale, zero [D/qg][bsp] fp16     (one group = qg channels of one token)
+//          V nibbles [bs][D/2]    per token and group: byte j = channel j (low), j+qg/2 (high)
+//          V scale, zero [D/qg][bsp] fp16
+//
+// bsp = block_size rounded up to 16, so full-vector loads across tokens stay
+// inside the region; lanes past the last token are ignored by the kernels.
+struct Layout {
+  int num_kv_heads = 0, head_dim = 0, block_size = 0, bsp = 0, qgroup = 0;
+  bool int4 = false;
+  size_t k_off = 0, ks_off = 0, kz_off = 0, v_off = 0, vs_off = 0, vz_off = 0;
+  size_t head_bytes = 0, block_bytes = 0;
+
+  static Layout make(int num_kv_heads, int head_dim, int block_size, bool int4) {
+    Layout L;
+    L.num_kv_heads = num_kv_heads;
+    L.head_dim = head_dim;
+    L.block_size = block_size;
+    L.bsp = (block_size + 15) / 16 * 16;
+    L.int4 = int4;
+    const size_t D = head_dim, bs = block_size, bsp = L.bsp;
+    auto a64 = [](size_t x) { return (x + 63) / 64 * 64; };
+    if (!int4) {
+      L.k_off = 0;
+      L.v_off = a64(D * bsp * 2);
+      L.head_bytes = a64(L.v_off + bs * D * 2);
+    } else {
+      L.qgroup = head_dim % 32 == 0 ? 32 : 16;
+      const size_t ng = D / L.qgroup;
+      L.k_off = 0;
+      L.ks_off = a64(D / 2 * bsp);
+      L.kz_off = L.ks_off + ng * bsp * 2;
+      L.v_off = a64(L.kz_off + ng * bsp * 2);
+      L.vs_off = a64(L.v_off + bs * D / 2);
+      L.vz_off = L.vs_off + ng * bsp * 2;
+      L.head_bytes = a64(L.vz_off + ng * bsp * 2);
+    }
+    L.block_bytes = L.head_bytes * num_kv_heads;
+    return L;
+  }
+};
+
+// One attention call over a batch, as the kernels see it. Work item i is
+// (sequence i / num_kv_heads, kv head i % num_kv_heads).
+struct AttnJob {
+  const Layout* L = nullptr;
+  const uint8_t* pool = nullptr;
+  int H = 0, G = 0;                        // query heads; query heads per kv head
+  const float* q = nullptr;                // [B, H, D], already multiplied by scale * log2(e)
+  float* out = nullptr;                    // [B, H, D]
+  const int32_t* const* tables = nullptr;  // [B] -> block ids of the sequence at this layer
+  const int32_t* lens = nullptr;           // [B] tokens in the cache
+};
+
+// Floats of scratch one thread needs for items of this shape (see run_items).
+inline size_t scratch_floats(const Layout& L, int G) {
+  const size_t D = L.head_dim, bsp = L.bsp, ng = L.int4 ? D / L.qgroup : 0;
+  return 16 * 8 + 2 * G + G * ng + G * D + G * ng * 16 + G * bsp + 8 * ng * bsp + 64;
+}
+
+using ItemsFn = void (*)(const AttnJob&, int begin, int end, float* scratch);
+
+// Per-ISA kernels; nullptr when not compiled for this target.
+ItemsFn scalar_items();
+ItemsFn avx2_items();
+ItemsFn avx512_items();
+
+}  // namespace fd

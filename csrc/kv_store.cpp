@@ -1,0 +1,447 @@
+#include "kv_store.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <unordered_set>
+
+namespace fd {
+
+namespace {
+
+constexpr size_t kHugePage = size_t(2) << 20;
+
+// Below this many (token x kv head) per call, waking the other threads costs more than it saves.
+constexpr int64_t kParallelMin = 4096;
+
+std::string id_str(int64_t id) { return std::to_string(id); }
+
+// Group-wise asymmetric int4: x ~= scale * u + zero, u in 0..15; scale, zero stored as fp16
+// (rounded first, then u computed against the rounded values, so the stored triple is exact).
+void quantize_group(const float* x, int n, uint8_t* u, uint16_t* scale_h, uint16_t* zero_h) {
+  float lo = x[0], hi = x[0];
+  for (int i = 1; i < n; ++i) {
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+  }
+  const uint16_t zh = f2h(lo);
+  const float z = h2f(zh);
+  const float range = hi - z;
+  uint16_t sh = f2h(range / 15.0f);
+  if (h2f(sh) * 15.0f < range && (sh & 0x7c00u) != 0x7c00u) ++sh;  // never too small to reach hi
+  const float s = h2f(sh);
+  const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+  for (int i = 0; i < n; ++i) {
+    const float q = std::nearbyint((x[i] - z) * inv);
+    u[i] = static_cast<uint8_t>(q < 0.0f ? 0.0f : (q > 15.0f ? 15.0f : q));
+  }
+  *scale_h = sh;
+  *zero_h = zh;
+}
+
+}  // namespace
+
+bool isa_supported(Isa isa, const Layout& L, std::string* why) {
+  auto no = [&](const std::string& w) {
+    if (why) *why = w;
+    return false;
+  };
+  switch (isa) {
+    case Isa::scalar:
+      return true;
+    case Isa::avx2:
+#if defined(__x86_64__) || defined(__i386__)
+      if (!avx2_items()) return no("avx2 kernels not built for this target");
+      if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
+        return no("this CPU lacks avx2/fma/f16c");
+      if (L.head_dim % 16) return no("avx2 path needs head_dim % 16 == 0");
+      return true;
+#else
+      return no("avx2 kernels not built for this target");
+#endif
+    case Isa::avx512:
+#if defined(__x86_64__)
+      if (!avx512_items()) return no("avx512 kernels not built for this target");
+      if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")))
+        return no("this CPU lacks avx512f/bw/vl/dq");
+      if (L.head_dim % 16) return no("avx512 path needs head_dim % 16 == 0");
+      if (L.int4 && L.qgroup % 32) return no("avx512 int4 path needs head_dim % 32 == 0");
+      return true;
+#else
+      return no("avx512 kernels not built for this target");
+#endif
+  }
+  return no("unknown isa");
+}
+
+Isa best_isa(const Layout& L) {
+  if (isa_supported(Isa::avx512, L, nullptr)) return Isa::avx512;
+  if (isa_supported(Isa::avx2, L, nullptr)) return Isa::avx2;
+  return Isa::scalar;
+}
+
+KVStore::KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity_bytes, int block_size, bool int4,
+                 int num_threads, Isa isa)
+    : num_layers_(num_layers), isa_(isa), capacity_bytes_(capacity_bytes) {
+  if (num_layers < 1 || num_kv_heads < 1 || head_dim < 1 || block_size < 1)
+    throw ValueErr("num_layers, num_kv_heads, head_dim and block_size must be >= 1");
+  if (head_dim > 4096 || block_size > 4096 || num_kv_heads > 4096)
+    throw ValueErr("head_dim, block_size and num_kv_heads must be <= 4096");
+  if (int4 && head_dim % 16)
+    throw ValueErr("int4 KV needs head_dim % 16 == 0, got " + std::to_string(head_dim));
+  if (num_threads < 0) throw ValueErr("num_threads must be >= 0");
+  L_ = Layout::make(num_kv_heads, head_dim, block_size, int4);
+  std::string why;
+  if (!isa_supported(isa, L_, &why)) throw ValueErr("isa not supported: " + why);
+  items_ = isa == Isa::avx512 ? avx512_items() : isa == Isa::avx2 ? avx2_items() : scalar_items();
+
+  const size_t nb = capacity_bytes / L_.block_bytes;
+  if (nb < 1)
+    throw ValueErr("capacity_bytes " + std::to_string(capacity_bytes) + " is less than one block (" +
+                   std::to_string(L_.block_bytes) + " bytes)");
+  nblocks_ = static_cast<int32_t>(std::min<size_t>(nb, std::numeric_limits<int32_t>::max()));
+  const size_t used = static_cast<size_t>(nblocks_) * L_.block_bytes;
+  map_bytes_ = (used + kHugePage - 1) / kHugePage * kHugePage + kHugePage;
+  void* mem = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (mem == MAP_FAILED) throw CapacityErr("cannot reserve " + std::to_string(map_bytes_) + " bytes for the KV pool");
+  pool_mem_ = static_cast<uint8_t*>(mem);
+  pool_base_ = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(pool_mem_) + kHugePage - 1) & ~(kHugePage - 1));
+#ifdef MADV_HUGEPAGE
+  madvise(pool_base_, (used + kHugePage - 1) / kHugePage * kHugePage, MADV_HUGEPAGE);  // best effort
+#endif
+  free_list_.resize(nblocks_);
+  for (int32_t i = 0; i < nblocks_; ++i) free_list_[i] = nblocks_ - 1 - i;  // pop_back hands out 0, 1, 2, ...
+  set_threads(num_threads);
+}
+
+KVStore::~KVStore() { close(); }
+
+void KVStore::close() {
+  std::lock_guard<std::mutex> lk(mu_);
+  pool_.reset();
+  if (pool_mem_) munmap(pool_mem_, map_bytes_);
+  pool_mem_ = pool_base_ = nullptr;
+  seqs_.clear();
+  free_list_.clear();
+}
+
+void KVStore::set_threads(int num_threads) {
+  if (num_threads < 0) throw ValueErr("num_threads must be >= 0");
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  const int n = num_threads == 0 ? ThreadPool::default_threads() : num_threads;
+  pool_.reset();
+  pool_ = std::make_unique<ThreadPool>(n);
+  scratch_.assign(n, {});
+}
+
+void KVStore::check_open() const {
+  if (!pool_base_) throw ValueErr("KV store is closed");
+}
+
+void KVStore::check_layer(int layer) const {
+  if (layer < 0 || layer >= num_layers_)
+    throw ValueErr("layer " + std::to_string(layer) + " out of range [0, " + std::to_string(num_layers_) + ")");
+}
+
+std::vector<KVStore::Seq*> KVStore::lookup(const int64_t* ids, int n) {
+  std::vector<Seq*> out(n);
+  std::unordered_set<int64_t> seen;
+  seen.reserve(n * 2);
+  for (int i = 0; i < n; ++i) {
+    auto it = seqs_.find(ids[i]);
+    if (it == seqs_.end()) throw KeyErr("unknown sequence id " + id_str(ids[i]));
+    if (!seen.insert(ids[i]).second) throw ValueErr("sequence id " + id_str(ids[i]) + " appears twice in one call");
+    out[i] = &it->second;
+  }
+  return out;
+}
+
+void KVStore::check_kv_values(Input x, size_t count, const char* name) const {
+  if (x.dtype == DType::f16) {
+    const uint16_t* p = static_cast<const uint16_t*>(x.data);
+    for (size_t i = 0; i < count; ++i)
+      if ((p[i] & 0x7c00u) == 0x7c00u) throw ValueErr(std::string(name) + " contains NaN or inf");
+  } else {
+    const float* p = static_cast<const float*>(x.data);
+    for (size_t i = 0; i < count; ++i)
+      if (!(std::fabs(p[i]) < 65520.0f))  // NaN fails too
+        throw ValueErr(std::string(name) + " contains NaN, inf or a value outside the fp16 range");
+  }
+}
+
+void KVStore::create(const int64_t* ids, int n) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  std::unordered_set<int64_t> seen;
+  for (int i = 0; i < n; ++i) {
+    if (seqs_.count(ids[i])) throw ValueErr("sequence id " + id_str(ids[i]) + " already exists");
+    if (!seen.insert(ids[i]).second) throw ValueErr("sequence id " + id_str(ids[i]) + " appears twice in one call");
+  }
+  for (int i = 0; i < n; ++i) {
+    Seq& s = seqs_[ids[i]];
+    s.blocks.resize(num_layers_);
+    s.len.assign(num_layers_, 0);
+  }
+}
+
+void KVStore::free(const int64_t* ids, int n) {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (int i = 0; i < n; ++i) {
+    auto it = seqs_.find(ids[i]);
+    if (it == seqs_.end()) continue;
+    for (auto& layer_blocks : it->second.blocks)
+      for (int32_t b : layer_blocks) free_list_.push_back(b);
+    seqs_.erase(it);
+  }
+}
+
+bool KVStore::has(int64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  return seqs_.count(id) > 0;
+}
+
+int KVStore::length(int64_t id, int layer) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_layer(layer);
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) throw KeyErr("unknown sequence id " + id_str(id));
+  return it->second.len[layer];
+}
+
+void KVStore::write_token(Seq& s, int layer, int pos, const Input& k, const Input& v, size_t src) {
+  const int D = L_.head_dim, Hkv = L_.num_kv_heads, bs = L_.block_size, bsp = L_.bsp;
+  uint8_t* block = pool_base_ + static_cast<size_t>(s.blocks[layer][pos / bs]) * L_.block_bytes;
+  const int slot = pos % bs;
+  float kx[4096], vx[4096];
+  for (int h = 0; h < Hkv; ++h) {
+    uint8_t* head = block + static_cast<size_t>(h) * L_.head_bytes;
+    const size_t base = (src * Hkv + h) * D;
+    for (int d = 0; d < D; ++d) {
+      kx[d] = k.at(base + d);
+      vx[d] = v.at(base + d);
+    }
+    if (!L_.int4) {
+      uint16_t* K = reinterpret_cast<uint16_t*>(head + L_.k_off);
+      uint16_t* V = reinterpret_cast<uint16_t*>(head + L_.v_off) + static_cast<size_t>(slot) * D;
+      for (int d = 0; d < D; ++d) {
+        K[static_cast<size_t>(d) * bsp + slot] = f2h(kx[d]);
+        V[d] = f2h(vx[d]);
+      }
+      continue;
+    }
+    const int qg = L_.qgroup, half = qg / 2, ng = D / qg;
+    uint8_t* Kn = head + L_.k_off;
+    uint16_t* Ks = reinterpret_cast<uint16_t*>(head + L_.ks_off);
+    uint16_t* Kz = reinterpret_cast<uint16_t*>(head + L_.kz_off);
+    uint8_t* Vn = head + L_.v_off + static_cast<size_t>(slot) * (D / 2);
+    uint16_t* Vs = reinterpret_cast<uint16_t*>(head + L_.vs_off);
+    uint16_t* Vz = reinterpret_cast<uint16_t*>(head + L_.vz_off);
+    uint8_t u[32];
+    for (int g = 0; g < ng; ++g) {
+      quantize_group(kx + g * qg, qg, u, &Ks[g * bsp + slot], &Kz[g * bsp + slot]);
+      for (int r = 0; r < half; ++r)
+        Kn[static_cast<size_t>(g * half + r) * bsp + slot] = static_cast<uint8_t>(u[2 * r] | (u[2 * r + 1] << 4));
+      quantize_group(vx + g * qg, qg, u, &Vs[g * bsp + slot], &Vz[g * bsp + slot]);
+      for (int j = 0; j < half; ++j) Vn[g * half + j] = static_cast<uint8_t>(u[j] | (u[half + j] << 4));
+    }
+  }
+}
+
+void KVStore::append_locked(int layer, const std::vector<Seq*>& seqs, const int64_t* lens, Input k, Input v) {
+  const int bs = L_.block_size;
+  int64_t need = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const int64_t cur = seqs[i]->len[layer], add = lens ? lens[i] : 1;
+    if (cur + add > std::numeric_limits<int32_t>::max() / 2) throw ValueErr("sequence too long");
+    need += (cur + add + bs - 1) / bs - (cur + bs - 1) / bs;
+  }
+  if (need > static_cast<int64_t>(free_list_.size()))
+    throw CapacityErr("out of KV capacity: need " + std::to_string(need) + " blocks, " +
+                      std::to_string(free_list_.size()) + " free of " + std::to_string(nblocks_));
+  size_t src = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    Seq& s = *seqs[i];
+    const int64_t add = lens ? lens[i] : 1;
+    for (int64_t t = 0; t < add; ++t, ++src) {
+      const int pos = s.len[layer];
+      if (pos % bs == 0) {
+        s.blocks[layer].push_back(free_list_.back());
+        free_list_.pop_back();
+      }
+      write_token(s, layer, pos, k, v, src);
+      s.len[layer] = pos + 1;
+    }
+  }
+}
+
+void KVStore::append(int layer, const int64_t* ids, int B, Input k, Input v) {
+  const size_t count = static_cast<size_t>(B) * L_.num_kv_heads * L_.head_dim;
+  check_kv_values(k, count, "k");
+  check_kv_values(v, count, "v");
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  check_layer(layer);
+  append_locked(layer, lookup(ids, B), nullptr, k, v);
+}
+
+void KVStore::append_span(int layer, const int64_t* ids, int B, const int64_t* lens, Input k, Input v) {
+  int64_t total = 0;
+  for (int i = 0; i < B; ++i) {
+    if (lens[i] < 0) throw ValueErr("lens must be >= 0");
+    total += lens[i];
+  }
+  const size_t count = static_cast<size_t>(total) * L_.num_kv_heads * L_.head_dim;
+  check_kv_values(k, count, "k");
+  check_kv_values(v, count, "v");
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  check_layer(layer);
+  append_locked(layer, lookup(ids, B), lens, k, v);
+}
+
+static void check_q(Input q, size_t count) {
+  for (size_t i = 0; i < count; ++i)
+    if (!std::isfinite(q.at(i))) throw ValueErr("q contains NaN or inf");
+}
+
+void KVStore::attend_locked(int layer, const std::vector<Seq*>& seqs, int H, Input q, float scale, float* out) {
+  const int B = static_cast<int>(seqs.size()), D = L_.head_dim, Hkv = L_.num_kv_heads, G = H / Hkv;
+  std::vector<const int32_t*> tables(B);
+  std::vector<int32_t> lens(B);
+  for (int b = 0; b < B; ++b) {
+    lens[b] = seqs[b]->len[layer];
+    if (lens[b] == 0) throw ValueErr("sequence has no KV at layer " + std::to_string(layer));
+    tables[b] = seqs[b]->blocks[layer].data();
+  }
+  if (B == 0) return;
+  std::vector<float> qs(static_cast<size_t>(B) * H * D);
+  const float mult = scale * 1.4426950408889634f;  // scores in log2 units
+  for (size_t i = 0; i < qs.size(); ++i) qs[i] = q.at(i) * mult;
+
+  AttnJob job;
+  job.L = &L_;
+  job.pool = pool_base_;
+  job.H = H;
+  job.G = G;
+  job.q = qs.data();
+  job.out = out;
+  job.tables = tables.data();
+  job.lens = lens.data();
+
+  // Static partition of the (sequence, kv head) items, balanced by tokens.
+  const int items = B * Hkv;
+  int64_t work = 0;
+  for (int b = 0; b < B; ++b) work += static_cast<int64_t>(lens[b]) * Hkv;
+  int T = std::min(pool_->size(), items);
+  if (work < kParallelMin) T = 1;
+  std::vector<int> bounds(T + 1, items);
+  bounds[0] = 0;
+  {
+    int64_t acc = 0;
+    int t = 1;
+    for (int i = 0; i < items && t < T; ++i) {
+      acc += lens[i / Hkv] + 16;
+      while (t < T && acc * T >= (work + 16LL * items) * t) bounds[t++] = i + 1;
+    }
+  }
+  const size_t need = scratch_floats(L_, G);
+  for (int t = 0; t < T; ++t)
+    if (scratch_[t].size() < need) scratch_[t].resize(need);
+  if (T == 1) {
+    items_(job, 0, items, scratch_[0].data());
+    return;
+  }
+  pool_->run([&](int tid) {
+    if (tid < T && bounds[tid] < bounds[tid + 1]) items_(job, bounds[tid], bounds[tid + 1], scratch_[tid].data());
+  });
+}
+
+void KVStore::attend(int layer, const int64_t* ids, int B, int H, Input q, float scale, float* out) {
+  check_q(q, static_cast<size_t>(B) * H * L_.head_dim);
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  check_layer(layer);
+  attend_locked(layer, lookup(ids, B), H, q, scale, out);
+}
+
+void KVStore::decode(int layer, const int64_t* ids, int B, int H, Input q, Input k, Input v, float scale,
+                     float* out) {
+  check_q(q, static_cast<size_t>(B) * H * L_.head_dim);
+  const size_t count = static_cast<size_t>(B) * L_.num_kv_heads * L_.head_dim;
+  check_kv_values(k, count, "k");
+  check_kv_values(v, count, "v");
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  check_layer(layer);
+  const std::vector<Seq*> seqs = lookup(ids, B);
+  append_locked(layer, seqs, nullptr, k, v);
+  attend_locked(layer, seqs, H, q, scale, out);
+}
+
+void KVStore::read(int64_t id, int layer, std::vector<float>* k, std::vector<float>* v) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_open();
+  check_layer(layer);
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) throw KeyErr("unknown sequence id " + id_str(id));
+  const Seq& s = it->second;
+  const int n = s.len[layer], D = L_.head_dim, Hkv = L_.num_kv_heads, bs = L_.block_size, bsp = L_.bsp;
+  k->assign(static_cast<size_t>(n) * Hkv * D, 0.0f);
+  v->assign(static_cast<size_t>(n) * Hkv * D, 0.0f);
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* block = pool_base_ + static_cast<size_t>(s.blocks[layer][t / bs]) * L_.block_bytes;
+    const int slot = t % bs;
+    for (int h = 0; h < Hkv; ++h) {
+      const uint8_t* head = block + static_cast<size_t>(h) * L_.head_bytes;
+      float* ko = k->data() + (static_cast<size_t>(t) * Hkv + h) * D;
+      float* vo = v->data() + (static_cast<size_t>(t) * Hkv + h) * D;
+      if (!L_.int4) {
+        const uint16_t* K = reinterpret_cast<const uint16_t*>(head + L_.k_off);
+        const uint16_t* V = reinterpret_cast<const uint16_t*>(head + L_.v_off) + static_cast<size_t>(slot) * D;
+        for (int d = 0; d < D; ++d) {
+          ko[d] = h2f(K[static_cast<size_t>(d) * bsp + slot]);
+          vo[d] = h2f(V[d]);
+        }
+        continue;
+      }
+      const int qg = L_.qgroup, half = qg / 2;
+      const uint8_t* Kn = head + L_.k_off;
+      const uint16_t* Ks = reinterpret_cast<const uint16_t*>(head + L_.ks_off);
+      const uint16_t* Kz = reinterpret_cast<const uint16_t*>(head + L_.kz_off);
+      const uint8_t* Vn = head + L_.v_off + static_cast<size_t>(slot) * (D / 2);
+      const uint16_t* Vs = reinterpret_cast<const uint16_t*>(head + L_.vs_off);
+      const uint16_t* Vz = reinterpret_cast<const uint16_t*>(head + L_.vz_off);
+      for (int d = 0; d < D; ++d) {
+        const int g = d / qg, j = d % qg;
+        const uint8_t kb = Kn[static_cast<size_t>(d / 2) * bsp + slot];
+        const int ku = d % 2 ? kb >> 4 : kb & 15;
+        ko[d] = h2f(Ks[g * bsp + slot]) * ku + h2f(Kz[g * bsp + slot]);
+        const uint8_t vb = Vn[g * half + j % half];
+        const int vu = j < half ? vb & 15 : vb >> 4;
+        vo[d] = h2f(Vs[g * bsp + slot]) * vu + h2f(Vz[g * bsp + slot]);
+      }
+    }
+  }
+}
+
+StoreStats KVStore::stats() {
+  std::lock_guard<std::mutex> lk(mu_);
+  StoreStats st{};
+  st.sequences = static_cast<int64_t>(seqs_.size());
+  for (const auto& kv : seqs_) {  // a sequence's tokens: its longest layer (prefill goes layer by layer)
+    int32_t n = 0;
+    for (int32_t x : kv.second.len) n = std::max(n, x);
+    st.kv_tokens += n;
+  }
+  st.blocks_total = pool_base_ ? nblocks_ : 0;
+  st.blocks_used = st.blocks_total - static_cast<int64_t>(free_list_.size());
+  st.bytes_used = st.blocks_used * static_cast<int64_t>(L_.block_bytes);
+  st.capacity_bytes = static_cast<int64_t>(capacity_bytes_);
+  return st;
+}
+
+}  // namespace fd

@@ -1,0 +1,93 @@
+// The KV store of one R-worker: a pool of fixed-size blocks allocated once
+// (mmap + MADV_HUGEPAGE), a free list, and per (sequence, layer) block tables.
+// All operations take a batch of sequences for one layer; every check runs
+// before anything is changed, so a failed call leaves the store as it was.
+// Thread-safe (one mutex); attention runs on the store's thread pool.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "common.h"
+#include "thread_pool.h"
+
+namespace fd {
+
+enum class DType { f32, f16 };
+
+// A borrowed input tensor: contiguous, `dtype` elements.
+struct Input {
+  const void* data = nullptr;
+  DType dtype = DType::f32;
+  float at(size_t i) const {
+    return dtype == DType::f32 ? static_cast<const float*>(data)[i] : h2f(static_cast<const uint16_t*>(data)[i]);
+  }
+};
+
+struct StoreStats {
+  int64_t sequences, kv_tokens, blocks_used, blocks_total, bytes_used, capacity_bytes;
+};
+
+Isa best_isa(const Layout& L);
+bool isa_supported(Isa isa, const Layout& L, std::string* why);
+
+class KVStore {
+ public:
+  KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity_bytes, int block_size, bool int4,
+          int num_threads, Isa isa);
+  ~KVStore();
+  KVStore(const KVStore&) = delete;
+  KVStore& operator=(const KVStore&) = delete;
+
+  void create(const int64_t* ids, int n);
+  void free(const int64_t* ids, int n);
+  bool has(int64_t id);
+  int length(int64_t id, int layer);
+  void append(int layer, const int64_t* ids, int B, Input k, Input v);
+  void append_span(int layer, const int64_t* ids, int B, const int64_t* lens, Input k, Input v);
+  void attend(int layer, const int64_t* ids, int B, int H, Input q, float scale, float* out);
+  void decode(int layer, const int64_t* ids, int B, int H, Input q, Input k, Input v, float scale, float* out);
+  // Dequantized (int4) or widened (fp16) cache of one sequence: k, v [len, Hkv, D] fp32.
+  void read(int64_t id, int layer, std::vector<float>* k, std::vector<float>* v);
+  StoreStats stats();
+  void set_threads(int num_threads);
+  void close();  // frees the pool; later calls raise ValueErr
+
+  const Layout& layout() const { return L_; }
+  Isa isa() const { return isa_; }
+  int num_layers() const { return num_layers_; }
+  int num_threads() const { return pool_ ? pool_->size() : 0; }
+
+ private:
+  struct Seq {
+    std::vector<std::vector<int32_t>> blocks;  // per layer
+    std::vector<int32_t> len;                  // per layer
+  };
+
+  void check_open() const;
+  void check_layer(int layer) const;
+  std::vector<Seq*> lookup(const int64_t* ids, int n);  // KeyErr / ValueErr on duplicates
+  void check_kv_values(Input x, size_t count, const char* name) const;
+  void write_token(Seq& s, int layer, int slot_token, const Input& k, const Input& v, size_t src_token);
+  void append_locked(int layer, const std::vector<Seq*>& seqs, const int64_t* lens, Input k, Input v);
+  void attend_locked(int layer, const std::vector<Seq*>& seqs, int H, Input q, float scale, float* out);
+
+  Layout L_;
+  int num_layers_;
+  Isa isa_;
+  ItemsFn items_;
+  uint8_t* pool_mem_ = nullptr;
+  size_t map_bytes_ = 0;
+  uint8_t* pool_base_ = nullptr;
+  size_t capacity_bytes_;
+  int32_t nblocks_;
+  std::vector<int32_t> free_list_;
+  std::unordered_map<int64_t, Seq> seqs_;
+  std::unique_ptr<ThreadPool> pool_;
+  std::vector<std::vector<float>> scratch_;
+  std::mutex mu_;
+};
+
+}  // namespace fd

@@ -1,0 +1,86 @@
+"""In-process R-Part: the C++ KV store and kernel (fastdecode.kernels) behind
+the AttentionBackend interface.
+
+submit_decode hands the kernel call to one worker thread and returns at once;
+the kernel releases the GIL, so the engine runs the S-Part of the other
+mini-batch while this one attends.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+import torch
+
+from fastdecode.attention.base import AttentionBackend, KVSpec
+from fastdecode.kernels import KVStore
+
+_KERNEL_DTYPES = (torch.float32, torch.float16)
+
+
+def _kernel_input(x: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got {x.device}")
+    if x.dtype not in _KERNEL_DTYPES:
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+        x = x.float()
+    return x.contiguous()
+
+
+class LocalAttention(AttentionBackend):
+    def __init__(self, spec: KVSpec, config) -> None:
+        super().__init__(spec)
+        self.store = KVStore(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.kv_capacity_bytes,
+                             block_size=config.kv_block_size, kv_format=config.kv_format,
+                             num_threads=config.kernel_threads)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdecode-rpart")
+
+    def open(self, seq_ids: Sequence[int]) -> None:
+        self.store.create(list(seq_ids))
+
+    def close(self, seq_ids: Sequence[int]) -> None:
+        self.store.free(list(seq_ids))
+
+    def prefill(self, layer: int, seq_ids: Sequence[int], lens: Sequence[int],
+                k: torch.Tensor, v: torch.Tensor) -> None:
+        self.store.append_span(layer, list(seq_ids), list(lens), _kernel_input(k, "k"), _kernel_input(v, "v"))
+
+    def submit_decode(self, layer: int, seq_ids: Sequence[int], q: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor) -> "Future[torch.Tensor]":
+        ids = list(seq_ids)
+        q, k, v = _kernel_input(q, "q"), _kernel_input(k, "k"), _kernel_input(v, "v")
+        self._check_decode(layer, ids, q, k)
+        return self._worker.submit(self._decode, layer, ids, q, k, v)
+
+    def _decode(self, layer: int, ids: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.store.decode(layer, ids, q, k, v, scale=self.spec.scale))
+
+    def _check_decode(self, layer: int, ids: list[int], q: torch.Tensor, k: torch.Tensor) -> None:
+        """The cheap checks, done at submit so bad input fails in the caller's thread.
+        The kernel repeats them (and checks capacity and NaN) when it runs."""
+        s = self.spec
+        if not 0 <= layer < s.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {s.num_layers})")
+        if q.dim() != 3 or q.shape[0] != len(ids) or q.shape[1] != s.num_heads or q.shape[2] != s.head_dim:
+            raise ValueError(f"q must be [{len(ids)}, {s.num_heads}, {s.head_dim}], got {list(q.shape)}")
+        if k.dim() != 3 or tuple(k.shape) != (len(ids), s.num_kv_heads, s.head_dim):
+            raise ValueError(f"k, v must be [{len(ids)}, {s.num_kv_heads}, {s.head_dim}], got {list(k.shape)}")
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate sequence ids in one call")
+        missing = [i for i in ids if not self.store.has(i)]
+        if missing:
+            raise KeyError(f"unknown sequence id(s) {missing[:8]}")
+
+    def stats(self) -> dict:
+        st = self.store.stats()
+        return {"sequences": st["sequences"], "kv_tokens": st["kv_tokens"], "kv_bytes": st["bytes_used"],
+                "capacity_bytes": st["capacity_bytes"], "blocks_used": st["blocks_used"],
+                "blocks_total": st["blocks_total"], "kv_format": self.store.kv_format, "isa": self.store.isa,
+                "threads": self.store.num_threads}
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=True)
+        self.store.close()

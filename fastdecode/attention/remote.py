@@ -1,0 +1,647 @@
+"""Remote attention: the R-Part on a fleet of R-workers over gRPC (rworker/).
+
+Workers form groups of `head_shards`; member j of a group holds kv heads
+shard j of every sequence placed on the group (query heads follow their kv
+heads). With head_shards=1 a group is one worker holding whole sequences.
+
+- open() places each sequence on the live group with the least KV load (tokens).
+- submit_decode() ships each worker the q, k, v rows of its sequences as one
+  message on its long-lived stream and returns a Future at once; replies are
+  written into one output tensor as they arrive, on the stream's reader thread.
+- A worker whose stream breaks, or that misses the deadline (rworker_timeout_s),
+  is marked down: its sequences' futures raise SequencesLost (with o valid for
+  the other rows); the engine re-opens them (placed on live groups) and
+  re-prefills. A monitor thread probes down workers (health service) and
+  reconnects them; a returning worker takes new sequences again.
+
+Wire dtypes: k, v travel as fp16 (the store keeps fp16, so this loses nothing);
+q and o travel in q's dtype when it is fp16, else fp32, so results match the
+local backend bit for bit.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Sequence
+
+import grpc
+import numpy as np
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fastdecode.attention.base import AttentionBackend, AttentionError, KVCapacityError, KVSpec, SequencesLost
+from rworker.auth import bearer, channel_credentials
+from rworker.proto import rworker_pb2 as pb
+from rworker.proto import rworker_pb2_grpc as pb_grpc
+
+log = logging.getLogger("fastdecode.remote")
+
+MAX_MESSAGE_BYTES = 16 << 20        # the client splits bigger calls; the server accepts 64 MiB
+PROBE_INTERVAL_S = 0.5              # how often down workers are probed for a reconnect
+_END = object()                     # ends a stream's request iterator
+
+
+class WorkerLost(AttentionError):
+    """The call's worker died or stalled; every sequence it held is gone."""
+
+
+def _reply_error(address: str, reply: pb.Reply) -> Exception:
+    msg = f"R-worker {address}: {reply.message}"
+    code = reply.code
+    if code == grpc.StatusCode.NOT_FOUND.value[0]:
+        return KeyError(msg)
+    if code == grpc.StatusCode.INVALID_ARGUMENT.value[0]:
+        return ValueError(msg)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
+        return KVCapacityError(msg)
+    return AttentionError(f"{msg} (status {code})")
+
+
+def _tensor(a: np.ndarray) -> pb.Tensor:
+    return pb.Tensor(data=a.tobytes(), shape=a.shape, dtype=a.dtype.name)
+
+
+class _Worker:
+    """One R-worker: a channel, one Session stream and its pending calls."""
+
+    def __init__(self, address: str, index: int, configure: pb.Configure, timeout: float,
+                 credentials, metadata, on_down) -> None:
+        self.address, self.index = address, index
+        self.configure, self.timeout = configure, timeout
+        self.credentials, self.metadata, self.on_down = credentials, metadata, on_down
+        self.lock = threading.Lock()
+        self.up = False
+        self.draining = False
+        self.reason = "not connected yet"
+        self.generation = 0
+        self.pending: dict[int, tuple[Future, float]] = {}   # call id -> (future, sent at); oldest first
+        self.ids = itertools.count(1)
+        self.requests: queue.SimpleQueue | None = None
+        self.call = None
+        self.channel = None
+        self.capacity_bytes = 0
+        self.kernel_s = 0.0
+        self.calls = 0
+        self.last_probe = 0.0
+
+    def _new_channel(self) -> grpc.Channel:
+        options = [("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", 4 * MAX_MESSAGE_BYTES),
+                   ("grpc.enable_retries", 0),
+                   ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+        if self.credentials is not None:
+            return grpc.secure_channel(self.address, self.credentials, options=options)
+        return grpc.insecure_channel(self.address, options=options)
+
+    def connect(self) -> None:
+        """(Re)open the stream and Configure it; raises on failure (the worker stays down)."""
+        if self.channel is None:
+            self.channel = self._new_channel()
+        stub = pb_grpc.RWorkerStub(self.channel)
+        stats = stub.Stats(pb.StatsRequest(), timeout=self.timeout, metadata=self.metadata)
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        call = stub.Session(iter(requests.get, _END), metadata=self.metadata)
+        with self.lock:
+            self.generation += 1
+            generation = self.generation
+            self.requests, self.call, self.up, self.draining = requests, call, True, stats.draining
+            self.capacity_bytes = stats.capacity_bytes
+        threading.Thread(target=self._read, args=(call, generation), daemon=True,
+                         name=f"rworker-{self.index}-reader").start()
+        try:
+            reply = self.send(pb.Request(configure=self.configure)).result(timeout=self.timeout)
+        except FutureTimeout:
+            self.fail(generation, f"no reply to Configure within {self.timeout:g} s")
+            raise WorkerLost(f"R-worker {self.address}: {self.reason}") from None
+        if reply.code:
+            self.fail(generation, f"Configure refused: {reply.message}")
+            raise _reply_error(self.address, reply)
+        log.info("R-worker %s connected", self.address)
+
+    def send(self, request: pb.Request) -> Future:
+        fut: Future = Future()
+        with self.lock:
+            if not self.up:
+                fut.set_exception(WorkerLost(f"R-worker {self.address} is down: {self.reason}"))
+                return fut
+            request.call_id = next(self.ids)
+            self.pending[request.call_id] = (fut, time.monotonic())
+            self.requests.put(request)
+        return fut
+
+    def _read(self, call, generation: int) -> None:
+        reason = "stream ended"
+        try:
+            for reply in call:
+                with self.lock:
+                    entry = self.pending.pop(reply.call_id, None)
+                if entry is not None:
+                    entry[0].set_result(reply)
+        except grpc.RpcError as e:
+            reason = f"{e.code().name}: {e.details()}"
+        except Exception as e:  # noqa: BLE001 -- a reader that dies must take the worker down
+            reason = f"{type(e).__name__}: {e}"
+        self.fail(generation, reason)
+
+    def fail(self, generation: int, reason: str) -> None:
+        """Take the worker down (once per stream): fail its pending calls, report its sequences lost."""
+        with self.lock:
+            if generation != self.generation or not self.up:
+                return
+            self.up, self.reason = False, reason
+            pending, self.pending = self.pending, {}
+            self.requests.put(_END)
+            call = self.call
+        call.cancel()
+        log.warning("R-worker %s down: %s", self.address, reason)
+        self.on_down(self, reason)
+        for fut, _ in pending.values():
+            fut.set_exception(WorkerLost(f"R-worker {self.address}: {reason}"))
+
+    def overdue(self, now: float) -> bool:
+        with self.lock:
+            oldest = next(iter(self.pending.values()), None)
+        return oldest is not None and now - oldest[1] > self.timeout
+
+    def health(self) -> int:
+        if self.channel is None:
+            self.channel = self._new_channel()
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        return stub.Check(health_pb2.HealthCheckRequest(), timeout=min(self.timeout, 2.0)).status
+
+    def close(self) -> None:
+        with self.lock:
+            self.up, self.reason = False, "backend shut down"
+            pending, self.pending = self.pending, {}
+            if self.requests is not None:
+                self.requests.put(_END)
+        for fut, _ in pending.values():
+            fut.set_exception(WorkerLost(f"R-worker {self.address}: backend shut down"))
+        if self.channel is not None:
+            self.channel.close()
+
+
+class _Group:
+    """head_shards workers that together hold all kv heads of their sequences."""
+
+    def __init__(self, index: int, workers: list[_Worker]) -> None:
+        self.index, self.workers = index, workers
+        self.seqs: set[int] = set()
+        self.tokens = 0
+
+    @property
+    def up(self) -> bool:
+        return all(w.up for w in self.workers)
+
+    @property
+    def accepting(self) -> bool:
+        return self.up and not any(w.draining for w in self.workers)
+
+
+class _Gather:
+    """Collects the parts of one decode call into `out`; resolves `future` when all are in."""
+
+    def __init__(self, out: torch.Tensor, seq_ids: Sequence[int], parts: int, backend: "RemoteAttention") -> None:
+        self.out, self.out_np = out, out.numpy()
+        self.seq_ids, self.backend = seq_ids, backend
+        self.future: Future = Future()
+        self.lock = threading.Lock()
+        self.remaining = parts
+        self.lost_rows: list[np.ndarray] = []
+        self.reason = ""
+        self.error: Exception | None = None
+        self.kernel_s = 0.0
+        self.t0 = time.perf_counter()
+
+    def lose(self, rows: np.ndarray, reason: str) -> None:
+        with self.lock:
+            self.lost_rows.append(rows)
+            self.reason = self.reason or reason
+
+    def part_done(self, fut: Future, worker: _Worker, rows: np.ndarray, heads: slice) -> None:
+        try:
+            reply = fut.result()
+            if reply.code:
+                raise _reply_error(worker.address, reply)
+            o = reply.o
+            self.out_np[rows, heads] = np.frombuffer(o.data, dtype=o.dtype).reshape(tuple(o.shape))
+            worker.kernel_s += reply.kernel_s
+            worker.calls += 1
+            with self.lock:
+                self.kernel_s = max(self.kernel_s, reply.kernel_s)
+        except WorkerLost as e:
+            self.lose(rows, str(e))
+        except Exception as e:  # noqa: BLE001 -- handed to the caller through the future
+            with self.lock:
+                self.error = self.error or e
+        with self.lock:
+            self.remaining -= 1
+            done = self.remaining == 0
+        if done:
+            self.finish()
+
+    def finish(self) -> None:
+        self.backend._account(time.perf_counter() - self.t0, self.kernel_s)
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        elif self.lost_rows:
+            rows = np.unique(np.concatenate(self.lost_rows))
+            lost = [self.seq_ids[i] for i in rows]
+            self.future.set_exception(SequencesLost(lost, self.reason, output=self.out))
+        else:
+            self.future.set_result(self.out)
+
+
+class RemoteAttention(AttentionBackend):
+    def __init__(self, spec: KVSpec, config) -> None:
+        super().__init__(spec)
+        addresses = list(config.rworkers)
+        shards = config.head_shards
+        if not addresses:
+            raise ValueError("RemoteAttention: no R-worker addresses (EngineConfig.rworkers)")
+        if len(addresses) % shards:
+            raise ValueError(f"RemoteAttention: {len(addresses)} R-worker(s) cannot form groups of "
+                             f"head_shards={shards}")
+        if shards > spec.num_kv_heads:
+            raise ValueError(f"RemoteAttention: head_shards={shards} > num_kv_heads={spec.num_kv_heads}")
+        self.timeout = float(config.rworker_timeout_s)
+        self.kv_format = config.kv_format
+        group = spec.num_heads // spec.num_kv_heads
+        bounds = [j * spec.num_kv_heads // shards for j in range(shards + 1)]
+        self.kv_heads = [slice(bounds[j], bounds[j + 1]) for j in range(shards)]
+        self.q_heads = [slice(s.start * group, s.stop * group) for s in self.kv_heads]
+        credentials = None
+        if config.rworker_tls_ca:
+            credentials = channel_credentials(config.rworker_tls_ca, config.rworker_tls_cert, config.rworker_tls_key)
+        metadata = bearer(config.rworker_token)
+
+        self.lock = threading.RLock()
+        self.workers = [
+            _Worker(a, i, pb.Configure(num_layers=spec.num_layers, num_kv_heads=s.stop - s.start,
+                                       head_dim=spec.head_dim, kv_format=config.kv_format),
+                    self.timeout, credentials, metadata, self._worker_down)
+            for i, (a, s) in enumerate(zip(addresses, itertools.cycle(self.kv_heads)))]
+        self.groups = [_Group(g, self.workers[g * shards:(g + 1) * shards]) for g in range(len(addresses) // shards)]
+        self.group_of_worker = {w.index: self.groups[w.index // shards] for w in self.workers}
+        self.placement: dict[int, _Group | None] = {}    # None: lost, waiting for the engine to re-open it
+        self.lost_reason: dict[int, str] = {}
+        self.seq_tokens: dict[int, int] = {}
+        self._plans: dict[tuple, list] = {}
+        self.decode_calls, self.decode_wall_s, self.decode_kernel_s = 0, 0.0, 0.0
+        self.lost_total = 0
+        self._stop = threading.Event()
+
+        threads = [threading.Thread(target=self._try_connect, args=(w,)) for w in self.workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if not any(g.up for g in self.groups):
+            errors = "; ".join(f"{w.address}: {w.reason}" for w in self.workers)
+            self.shutdown()
+            raise AttentionError(f"RemoteAttention: no R-worker group reachable ({errors})")
+        self._monitor = threading.Thread(target=self._monitor_loop, daemon=True, name="rworker-monitor")
+        self._monitor.start()
+
+    # ---- worker health ------------------------------------------------------------------
+    def _try_connect(self, w: _Worker) -> bool:
+        w.last_probe = time.monotonic()
+        try:
+            w.connect()
+            return True
+        except (grpc.RpcError, AttentionError, ValueError, KeyError) as e:
+            if isinstance(e, grpc.RpcError):
+                w.reason = f"{e.code().name}: {e.details()}"
+            log.info("R-worker %s not connected: %s", w.address, w.reason)
+            return False
+
+    def _worker_down(self, w: _Worker, reason: str) -> None:
+        """A member is down: every sequence of its group is lost; free them on the other members."""
+        g = self.group_of_worker[w.index]
+        with self.lock:
+            lost = list(g.seqs)
+            for s in lost:
+                self.placement[s] = None
+                self.lost_reason[s] = f"R-worker {w.address} down: {reason}"
+                self.seq_tokens[s] = 0
+            g.seqs.clear()
+            g.tokens = 0
+            self.lost_total += len(lost)
+            self._plans.clear()
+        if lost:
+            for other in g.workers:
+                if other is not w and other.up:
+                    other.send(pb.Request(close=pb.Close(seq_ids=lost)))
+            log.warning("%d sequence(s) lost with R-worker %s", len(lost), w.address)
+
+    def _monitor_loop(self) -> None:
+        tick = min(0.05, self.timeout / 10)
+        while not self._stop.wait(tick):
+            now = time.monotonic()
+            for w in self.workers:
+                if w.up and w.overdue(now):
+                    w.fail(w.generation, f"no reply within rworker_timeout_s={self.timeout:g} s")
+                elif not w.up and now - w.last_probe > PROBE_INTERVAL_S:
+                    self._probe(w)
+                elif w.up and now - w.last_probe > 5 * PROBE_INTERVAL_S:
+                    self._probe(w)
+
+    def _probe(self, w: _Worker) -> None:
+        w.last_probe = time.monotonic()
+        try:
+            status = w.health()
+        except grpc.RpcError:
+            return
+        serving = status == health_pb2.HealthCheckResponse.SERVING
+        if w.up:
+            w.draining = not serving
+        elif serving and not self._stop.is_set():
+            self._try_connect(w)
+
+    def _revive_all(self) -> None:
+        """Before giving up for lack of workers: one synchronous reconnect attempt each."""
+        for w in self.workers:
+            if not w.up:
+                self._try_connect(w)
+
+    # ---- AttentionBackend ---------------------------------------------------------------
+    def open(self, seq_ids: Sequence[int]) -> None:
+        seq_ids = [int(s) for s in seq_ids]
+        with self.lock:
+            dup = [s for s in seq_ids if self.placement.get(s) is not None]
+        if dup or len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"sequence(s) already open: {dup[:8] or seq_ids[:8]}")
+        todo = seq_ids
+        for _ in range(2 * len(self.workers) + 2):
+            if not todo:
+                return
+            todo = self._open_once(todo)
+        raise AttentionError(f"could not place {len(todo)} sequence(s) on any R-worker")
+
+    def _open_once(self, seq_ids: list[int]) -> list[int]:
+        """Place and open; returns the ids that must be placed again (their group failed)."""
+        groups = [g for g in self.groups if g.accepting]
+        if not groups:
+            self._revive_all()
+            groups = [g for g in self.groups if g.accepting]
+        if not groups:
+            states = "; ".join(f"{w.address}: {'draining' if w.up else 'down (' + w.reason + ')'}"
+                               for w in self.workers)
+            raise AttentionError(f"no R-worker available for new sequences ({states})")
+        chosen = self._place(seq_ids, groups)
+        calls = []
+        for g, ids in chosen.items():
+            for w in g.workers:
+                calls.append((g, w, ids, w.send(pb.Request(open=pb.Open(seq_ids=ids)))))
+        retry, error = [], None
+        failed_groups = set()
+        for g, w, ids, fut in calls:
+            try:
+                reply = fut.result(timeout=self.timeout + 1.0)
+            except (WorkerLost, FutureTimeout) as e:
+                if isinstance(e, FutureTimeout):
+                    w.fail(w.generation, f"no reply to Open within {self.timeout:g} s")
+                failed_groups.add(g.index)
+                continue
+            if reply.code == grpc.StatusCode.UNAVAILABLE.value[0]:      # draining
+                w.draining = True
+                failed_groups.add(g.index)
+            elif reply.code:
+                error = error or _reply_error(w.address, reply)
+                failed_groups.add(g.index)
+        with self.lock:
+            for g, ids in chosen.items():
+                if g.index in failed_groups:
+                    for w in g.workers:            # undo the members that did open them
+                        if w.up:
+                            w.send(pb.Request(close=pb.Close(seq_ids=ids)))
+                    retry.extend(ids)
+                    continue
+                for s in ids:
+                    self.placement[s] = g
+                    self.lost_reason.pop(s, None)
+                    self.seq_tokens[s] = 0
+                    g.seqs.add(s)
+            self._plans.clear()
+        if error is not None:
+            raise error
+        return retry
+
+    def _place(self, seq_ids: list[int], groups: list[_Group]) -> dict[_Group, list[int]]:
+        """Least KV load (tokens) first. A new, still empty sequence counts as the mean length
+        of those already placed, so a batch of opens spreads instead of piling on one group."""
+        with self.lock:
+            n = sum(len(g.seqs) for g in self.groups)
+            mean = max(1.0, sum(g.tokens for g in self.groups) / n) if n else 1.0
+            load = {g: g.tokens + mean * sum(1 for s in g.seqs if self.seq_tokens.get(s, 0) == 0) for g in groups}
+        chosen: dict[_Group, list[int]] = {}
+        for s in seq_ids:
+            g = min(groups, key=lambda g: (load[g], g.index))
+            chosen.setdefault(g, []).append(s)
+            load[g] += mean
+        return chosen
+
+    def close(self, seq_ids: Sequence[int]) -> None:
+        by_group: dict[_Group, list[int]] = {}
+        with self.lock:
+            for s in seq_ids:
+                s = int(s)
+                g = self.placement.pop(s, None)
+                self.lost_reason.pop(s, None)
+                tokens = self.seq_tokens.pop(s, 0)
+                if g is not None:
+                    g.seqs.discard(s)
+                    g.tokens -= tokens
+                    by_group.setdefault(g, []).append(s)
+            self._plans.clear()
+        for g, ids in by_group.items():
+            for w in g.workers:
+                w.send(pb.Request(close=pb.Close(seq_ids=ids)))   # ordered on the stream; no wait
+
+    def _plan(self, seq_ids: Sequence[int]):
+        """Rows of the batch per live group, and the rows whose KV is lost; cached per batch."""
+        key = tuple(map(int, seq_ids))
+        with self.lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                return plan
+            rows: dict[_Group, list[int]] = {}
+            lost: list[int] = []
+            for i, s in enumerate(key):
+                if s not in self.placement:
+                    raise KeyError(f"unknown sequence id {s}")
+                g = self.placement[s]
+                if g is None:
+                    lost.append(i)
+                else:
+                    rows.setdefault(g, []).append(i)
+            parts = [(g, np.asarray(r, dtype=np.int64), [key[i] for i in r]) for g, r in rows.items()]
+            plan = (parts, np.asarray(lost, dtype=np.int64))
+            if len(self._plans) > 64:
+                self._plans.clear()
+            self._plans[key] = plan
+            return plan
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.spec.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.spec.num_layers})")
+
+    def _kv_wire(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kv_format == "fp16" or x.dtype == torch.bfloat16:
+            return x.to(torch.float16 if self.kv_format == "fp16" else torch.float32)
+        return x
+
+    def submit_decode(self, layer, seq_ids, q, k, v) -> Future:
+        self._check_layer(layer)
+        spec, b = self.spec, len(seq_ids)
+        if q.shape != (b, spec.num_heads, spec.head_dim) or k.shape != (b, spec.num_kv_heads, spec.head_dim) \
+                or v.shape != k.shape:
+            raise ValueError(f"decode: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match "
+                             f"{b} sequences of {spec}")
+        parts, lost_rows = self._plan(seq_ids)
+        q = q.to(torch.float16 if q.dtype == torch.float16 else torch.float32)
+        k, v = self._kv_wire(k), self._kv_wire(v)
+        qn, kn, vn = q.numpy(), k.numpy(), v.numpy()
+        if not (np.isfinite(qn).all() and np.isfinite(kn).all() and np.isfinite(vn).all()):
+            raise ValueError("decode: q, k or v contain NaN or Inf")
+        out = torch.empty(b, spec.num_heads, spec.head_dim, dtype=torch.float32)
+        row_bytes = (qn[0].nbytes + kn[0].nbytes + vn[0].nbytes) if b else 1
+        chunk = max(1, MAX_MESSAGE_BYTES // max(1, row_bytes // len(self.kv_heads)))
+        sends = []
+        for g, rows, ids in parts:
+            whole = len(parts) == 1 and len(rows) == b      # one group holds the batch: no gather copy
+            for a in range(0, len(rows), chunk):
+                r, r_ids = rows[a:a + chunk], ids[a:a + chunk]
+                whole_chunk = whole and len(r) == b
+                for w, hq, hk in zip(g.workers, self.q_heads, self.kv_heads):
+                    sends.append((w, r, r_ids, hq, hk, whole_chunk))
+        gather = _Gather(out, seq_ids, len(sends), self)
+        if len(lost_rows):
+            ids = [seq_ids[i] for i in lost_rows]
+            gather.lose(lost_rows, "; ".join(sorted({self.lost_reason.get(s, "lost") for s in ids}))[:500])
+        if layer == 0:
+            with self.lock:
+                for g, rows, ids in parts:
+                    g.tokens += len(ids)
+                    for s in ids:
+                        self.seq_tokens[s] += 1
+        if not sends:
+            gather.finish()
+            return gather.future
+        for w, r, r_ids, hq, hk, whole_chunk in sends:
+            if whole_chunk and len(self.kv_heads) == 1:
+                qa, ka, va = qn, kn, vn
+            else:
+                qa, ka, va = qn[r, hq], kn[r, hk], vn[r, hk]
+            req = pb.Request(decode=pb.Decode(layer=layer, seq_ids=r_ids, q=_tensor(qa), k=_tensor(ka),
+                                              v=_tensor(va)))
+            fut = w.send(req)
+            fut.add_done_callback(lambda f, w=w, r=r, hq=hq: gather.part_done(f, w, r, hq))
+        return gather.future
+
+    def prefill(self, layer, seq_ids, lens, k, v) -> None:
+        self._check_layer(layer)
+        spec = self.spec
+        lens = [int(n) for n in lens]
+        if len(lens) != len(seq_ids) or any(n < 0 for n in lens):
+            raise ValueError("prefill: need one length >= 0 per sequence")
+        want = (sum(lens), spec.num_kv_heads, spec.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(f"prefill: k {tuple(k.shape)}, v {tuple(v.shape)}, expected {want}")
+        parts, lost_rows = self._plan(seq_ids)
+        if len(lost_rows):
+            ids = [seq_ids[i] for i in lost_rows]
+            raise SequencesLost(ids, self.lost_reason.get(ids[0], "lost"))
+        kn, vn = self._kv_wire(k).numpy(), self._kv_wire(v).numpy()
+        if not (np.isfinite(kn).all() and np.isfinite(vn).all()):
+            raise ValueError("prefill: k or v contain NaN or Inf")
+        starts = np.concatenate([[0], np.cumsum(lens)])
+        token_bytes = max(1, kn[0].nbytes * 2 // len(self.kv_heads)) if len(kn) else 1
+        budget = max(1, MAX_MESSAGE_BYTES // token_bytes)      # tokens per message
+        calls = []
+        for g, rows, ids in parts:
+            for chunk_ids, chunk_lens, tok in self._prefill_chunks(rows, ids, lens, starts, budget):
+                for w, hk in zip(g.workers, self.kv_heads):
+                    req = pb.Request(prefill=pb.Prefill(layer=layer, seq_ids=chunk_ids, lens=chunk_lens,
+                                                        k=_tensor(kn[tok, hk]), v=_tensor(vn[tok, hk])))
+                    calls.append((g, w, chunk_ids, w.send(req)))
+        lost, error = [], None
+        for g, w, ids, fut in calls:
+            try:
+                reply = fut.result(timeout=self.timeout + 1.0)
+                if reply.code:
+                    error = error or _reply_error(w.address, reply)
+            except FutureTimeout:
+                w.fail(w.generation, f"no reply to Prefill within {self.timeout:g} s")
+                lost.extend(ids)
+            except WorkerLost:
+                lost.extend(ids)
+        if lost:
+            lost = list(dict.fromkeys(lost))
+            raise SequencesLost(lost, self.lost_reason.get(lost[0], "R-worker lost"))
+        if error is not None:
+            raise error
+        if layer == 0:
+            with self.lock:
+                for s, n in zip(seq_ids, lens):
+                    g = self.placement.get(s)
+                    if g is not None:
+                        self.seq_tokens[s] += n
+                        g.tokens += n
+
+    @staticmethod
+    def _prefill_chunks(rows, ids, lens, starts, budget):
+        """Split one group's prefill into messages of <= budget tokens (a long prompt spans several)."""
+        chunk_ids, chunk_lens, chunk_tok, used = [], [], [], 0
+        for i, s in zip(rows, ids):
+            a, n = int(starts[i]), lens[i]
+            while True:
+                take = min(n, budget - used)
+                chunk_ids.append(s)
+                chunk_lens.append(take)
+                chunk_tok.append(np.arange(a, a + take))
+                used += take
+                a, n = a + take, n - take
+                if used >= budget:
+                    yield chunk_ids, chunk_lens, np.concatenate(chunk_tok)
+                    chunk_ids, chunk_lens, chunk_tok, used = [], [], [], 0
+                if n == 0:
+                    break
+        if chunk_ids:
+            yield chunk_ids, chunk_lens, np.concatenate(chunk_tok)
+
+    # ---- bookkeeping --------------------------------------------------------------------
+    def _account(self, wall_s: float, kernel_s: float) -> None:
+        with self.lock:
+            self.decode_calls += 1
+            self.decode_wall_s += wall_s
+            self.decode_kernel_s += kernel_s
+
+    def stats(self) -> dict:
+        spec = self.spec
+        per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * (2 if self.kv_format == "fp16" else 1)
+        with self.lock:
+            workers = [{"address": w.address, "up": w.up, "draining": w.draining, "reason": "" if w.up else w.reason,
+                        "sequences": len(self.group_of_worker[w.index].seqs),
+                        "kv_tokens": self.group_of_worker[w.index].tokens,
+                        "calls": w.calls, "kernel_s": w.kernel_s} for w in self.workers]
+            tokens = sum(g.tokens for g in self.groups)
+            return {"sequences": sum(len(g.seqs) for g in self.groups), "kv_tokens": tokens,
+                    "kv_bytes": tokens * per_token if self.kv_format == "fp16" else tokens * per_token // 4,
+                    "capacity_bytes": sum(w.capacity_bytes for w in self.workers if w.up),
+                    "lost_sequences": self.lost_total, "decode_calls": self.decode_calls,
+                    "decode_wall_s": self.decode_wall_s, "decode_kernel_s": self.decode_kernel_s,
+                    "workers": workers}
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if getattr(self, "_monitor", None) is not None:
+            self._monitor.join(timeout=2.0)
+        for w in self.workers:
+            w.close()

@@ -1,0 +1,370 @@
+"""The engine: requests in, streamed tokens out.
+
+One step = schedule (abort, admit), run (decode the running batch with the
+backend, prefill the admitted prompts), postprocess (sample, detokenize, stop,
+free KV). Between steps requests join and leave (continuous batching).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Callable, Iterator
+
+import torch
+
+from fastdecode.attention import AttentionError, KVCapacityError, KVSpec, create_backend
+from fastdecode.config import EngineConfig
+from fastdecode.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from fastdecode.engine.model_runner import ModelRunner, StepTimes
+from fastdecode.engine.sampling import SamplingParams, sample
+from fastdecode.engine.sequence import RequestOutput, Sequence, Status
+from fastdecode.model.loader import load_model
+from fastdecode.scheduler import Candidate, create_scheduler
+
+log = logging.getLogger("fastdecode.engine")
+TRACE_KEEP = 4096            # trace records kept in memory
+MAX_REBUILD_ATTEMPTS = 3     # re-prefills of a sequence whose KV keeps getting lost in one step
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device
+        loaded = load_model(config.model, config.dtype, self.device, config.max_model_len)
+        self.model, self.tokenizer, self.args = loaded.model, loaded.tokenizer, loaded.args
+        self.max_model_len = loaded.max_model_len
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self.spec = KVSpec(self.args.num_layers, self.args.num_heads, self.args.num_kv_heads, self.args.head_dim)
+        self.backend = create_backend(config, self.spec)
+        self.scheduler = create_scheduler(config)
+        self.runner = ModelRunner(self.model, self.backend, self.device, config.num_minibatches)
+
+        self.healthy = True
+        self.trace: deque[dict] = deque(maxlen=TRACE_KEEP)
+        self._trace_file = open(config.trace_path, "a") if config.trace_path else None
+        self._lock = threading.Lock()            # waiting, requests, aborts (short holds)
+        self._step_lock = threading.RLock()      # one step at a time
+        self._wake = threading.Event()
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._requests: dict[str, Sequence] = {}
+        self._aborts: set[str] = set()
+        self._outputs: list[RequestOutput] = []  # produced since step() last returned
+        self._seq_ids = itertools.count(1)
+        self._step = 0
+        self._tokens_out = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: str | None = None
+
+    # -- requests ----------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
+                    request_id: str | None = None,
+                    on_output: Callable[[RequestOutput], None] | None = None) -> str:
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not healthy: {self._error}")
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        elif not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
+        prompt_ids = self._tokenize(prompt)
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens; the model's limit is "
+                                      f"{self.max_model_len} tokens including at least one generated token")
+        request_id = str(request_id) if request_id is not None else uuid.uuid4().hex
+        with self._lock:
+            if request_id in self._requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            if len(self._waiting) >= self.config.max_waiting:
+                raise EngineOverloadedError(f"{len(self._waiting)} requests are waiting (limit "
+                                            f"{self.config.max_waiting}); retry later")
+            seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params, self.tokenizer, on_output)
+            self._requests[request_id] = seq
+            self._waiting.append(seq)
+        self._wake.set()
+        return request_id
+
+    def _tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            ids = self.tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            vocab = self.args.vocab_size
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:4]}")
+        else:
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequestError("prompt is empty (no tokens)")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its KV is freed now (or at the end of a step in flight)."""
+        with self._lock:
+            seq = self._requests.get(request_id)
+            if seq is None or seq.finished:
+                return False
+            self._aborts.add(request_id)
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._process_aborts()
+            finally:
+                self._step_lock.release()
+        return True
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._running)
+
+    # -- the step --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        with self._step_lock:
+            if not self.healthy:
+                raise EngineDeadError(f"engine is not healthy: {self._error}")
+            try:
+                with torch.inference_mode():
+                    self._run_step()
+            except Exception as e:
+                log.exception("engine step failed")
+                self._die(f"engine step failed: {type(e).__name__}: {e}")
+                raise
+            finally:
+                outputs, self._outputs = self._outputs, []
+            return outputs
+
+    def _run_step(self) -> None:
+        t0 = time.perf_counter()
+        self.runner.times = StepTimes()
+        self._process_aborts()
+        decoding = list(self._running)
+        admitted = self._admit()
+        sampled: list[Sequence] = []
+        logits = []
+
+        if decoding:
+            res = self.runner.decode([s.seq_id for s in decoding], [s.all_ids[-1] for s in decoding],
+                                     [s.num_tokens - 1 for s in decoding])
+            sampled += [decoding[r] for r in res.rows]
+            logits.append(res.logits)
+            by_id = {s.seq_id: s for s in decoding}
+            for sid in res.out_of_kv:
+                self._finish(by_id[sid], "error", "out of KV capacity while decoding")
+            rebuild = [by_id[sid] for sid in res.lost]
+        else:
+            rebuild = []
+
+        prefill = admitted
+        for attempt in range(MAX_REBUILD_ATTEMPTS + 1):
+            rebuild = self._reopen(rebuild, last_try=attempt == MAX_REBUILD_ATTEMPTS)
+            batch = prefill + rebuild
+            if not batch:
+                break
+            try:
+                out, lost = self.runner.prefill([s.seq_id for s in batch], [s.all_ids for s in batch])
+            except KVCapacityError as e:
+                for s in batch:
+                    self._finish(s, "error", f"out of KV capacity during prefill: {e}")
+                break
+            lost_set = set(lost)
+            keep = [i for i, s in enumerate(batch) if s.seq_id not in lost_set]
+            sampled += [batch[i] for i in keep]
+            logits.append(out[keep])
+            prefill, rebuild = [], [s for s in batch if s.seq_id in lost_set]
+
+        if sampled:
+            self._postprocess(sampled, torch.cat(logits))
+        self._process_aborts()
+        self._record(t0, len(sampled), len(admitted))
+
+    def _admit(self) -> list[Sequence]:
+        with self._lock:
+            room = max(0, self.config.max_running - len(self._running))
+            head = list(itertools.islice(self._waiting, room))
+        cands = [Candidate(s.seq_id, len(s.prompt_ids), s.params.max_tokens) for s in head]
+        n = min(self.scheduler.admit(self._step, cands, len(self._running)), len(head))
+        if n <= 0:
+            return []
+        chosen = head[:n]
+        try:
+            self.backend.open([s.seq_id for s in chosen])
+        except KVCapacityError:
+            if self._running:
+                return []          # wait for running sequences to free KV
+            for s in chosen:
+                self._finish(s, "error", "the prompt does not fit in the KV capacity")
+            return []
+        with self._lock:
+            for s in chosen:
+                self._waiting.remove(s)
+                s.status = Status.RUNNING
+                self._running.append(s)
+        self.scheduler.on_admitted(self._step, cands[:n])
+        return chosen
+
+    def _reopen(self, seqs: list[Sequence], last_try: bool) -> list[Sequence]:
+        """Fresh KV for sequences whose KV was lost; those that cannot get one end with an error."""
+        if not seqs:
+            return []
+        ids = [s.seq_id for s in seqs]
+        reason = "KV lost repeatedly" if last_try else None
+        if reason is None:
+            try:
+                self.backend.close(ids)
+                self.backend.open(ids)
+                return seqs
+            except AttentionError as e:
+                reason = f"KV lost and could not be rebuilt: {e}"
+        for s in seqs:
+            self._finish(s, "error", f"attention backend failure: {reason}")
+        return []
+
+    def _postprocess(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        for s, tok in zip(seqs, tokens):
+            if s.finished:
+                continue
+            p = s.params
+            stop_token = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
+            s.append_token(tok, stop_token)
+            self._tokens_out += 1
+            if stop_token:
+                s.finish("stop")
+            elif not s.finished and (len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.max_model_len):
+                s.finish("length")
+            if s.finished:
+                self._release(s)
+            self._emit(s, [tok])
+
+    def _finish(self, s: Sequence, reason: str, error: str | None = None) -> None:
+        """End a request now (error, cancel) and tell its caller."""
+        if s.finished:
+            return
+        s.finish(reason, error)
+        self._release(s)
+        self._emit(s, [])
+
+    def _release(self, s: Sequence) -> None:
+        was_running = s in self._running
+        if was_running:
+            try:
+                self.backend.close([s.seq_id])
+            except Exception:            # freeing must not take the engine down
+                log.exception("closing KV of sequence %d failed", s.seq_id)
+            self.scheduler.on_finished(self._step, s.seq_id, len(s.output_ids))
+        with self._lock:
+            if was_running:
+                self._running.remove(s)
+            elif s in self._waiting:
+                self._waiting.remove(s)
+            self._requests.pop(s.request_id, None)
+            self._aborts.discard(s.request_id)
+
+    def _emit(self, s: Sequence, tokens: list[int]) -> None:
+        out = s.take_output(tokens)
+        self._outputs.append(out)
+        if s.on_output is not None:
+            try:
+                s.on_output(out)
+            except Exception:
+                log.exception("on_output callback of request %s failed", s.request_id)
+
+    def _process_aborts(self) -> None:
+        with self._lock:
+            ids, self._aborts = self._aborts, set()
+            seqs = [self._requests[r] for r in ids if r in self._requests]
+        for s in seqs:
+            self._finish(s, "cancelled")
+
+    def _die(self, message: str) -> None:
+        self.healthy = False
+        self._error = message
+        with self._lock:
+            seqs = list(self._running) + list(self._waiting)
+        for s in seqs:
+            self._finish(s, "error", message)
+
+    def _record(self, t0: float, batch_size: int, num_prefill: int) -> None:
+        t = self.runner.times
+        step_time = time.perf_counter() - t0
+        r_time = t.r_busy()
+        rec = {"step": self._step, "time": time.time(), "batch_size": batch_size, "num_prefill": num_prefill,
+               "context_tokens": sum(s.num_tokens for s in self._running),
+               "s_time": max(0.0, step_time - t.s_wait - t.backend_calls), "r_time": r_time,
+               "s_wait": t.s_wait, "r_wait": max(0.0, step_time - r_time) if t.r_intervals else None,
+               "step_time": step_time}
+        self._step += 1
+        self.trace.append(rec)
+        if self._trace_file is not None:
+            self._trace_file.write(json.dumps(rec) + "\n")
+            self._trace_file.flush()
+
+    # -- background loop and helpers --------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="fastdecode-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stopping and self.healthy:
+            if not self.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception:
+                return           # step() has marked us unhealthy and ended every request
+
+    def stop(self) -> None:
+        """Stop the loop; requests still in flight end as cancelled; the backend shuts down."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._step_lock:
+            with self._lock:
+                seqs = list(self._running) + list(self._waiting)
+            for s in seqs:
+                self._finish(s, "cancelled")
+            self.backend.shutdown()
+            if self._trace_file is not None:
+                self._trace_file.close()
+                self._trace_file = None
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
+                 request_id: str | None = None) -> Iterator[RequestOutput]:
+        """Stream one request's outputs. Drives step() itself unless the loop is running."""
+        outputs: queue.Queue[RequestOutput] = queue.Queue()
+        rid = self.add_request(prompt, params, request_id, on_output=outputs.put)
+        finished = False
+        try:
+            while not finished:
+                if self._thread is None:
+                    while outputs.empty():
+                        self.step()
+                out = outputs.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def stats(self) -> dict:
+        with self._lock:
+            running, waiting = len(self._running), len(self._waiting)
+        return {"healthy": self.healthy, "running": running, "waiting": waiting, "steps": self._step,
+                "tokens": self._tokens_out, "kv": self.backend.stats(), "scheduler": self.scheduler.stats()}

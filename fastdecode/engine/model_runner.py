@@ -1,0 +1,171 @@
+"""Runs the S-Part for a batch and hands attention to the backend.
+
+Decode splits the batch into mini-batches that ping-pong per layer (PAPER.md,
+"Pipeline"): while the backend computes the attention of mini-batch A at layer
+i, the S-Part finishes layer i-1 of B and starts layer i of B, and so on.
+
+    layer i:  [post(i-1) B | pre(i) B] submit B   [post(i) A | pre(i+1) A] submit A ...
+    backend:            attn(i) A                           attn(i) B
+
+Sequences whose KV a backend loses (SequencesLost) drop out of the step; the
+engine rebuilds them by prefilling all their tokens again.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from fastdecode.attention.base import AttentionBackend, KVCapacityError, SequencesLost
+from fastdecode.model.llama import LlamaModel
+
+
+@dataclass
+class StepTimes:
+    """Where a step's time went (seconds), for the trace."""
+    backend_calls: float = 0.0       # inside submit_decode / prefill calls (R work on our thread, or sending)
+    s_wait: float = 0.0              # blocked on attention futures
+    r_intervals: list[tuple[float, float]] = field(default_factory=list)   # (submitted, done) per call
+
+    def r_busy(self) -> float:
+        """Length of the union of the intervals an attention call was in flight."""
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(self.r_intervals):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
+
+
+@dataclass
+class MiniBatch:
+    seq_ids: list[int]
+    rows: torch.Tensor          # row of each sequence in the step's batch
+    h: torch.Tensor
+    positions: torch.Tensor
+    future: Future | None = None
+    submitted: float = 0.0
+
+
+@dataclass
+class DecodeResult:
+    logits: torch.Tensor        # [len(rows), vocab] float32
+    rows: list[int]             # batch rows that got logits
+    lost: list[int]             # seq ids whose KV was lost
+    out_of_kv: list[int]        # seq ids that could not grow their KV
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, backend: AttentionBackend, device: str, num_minibatches: int) -> None:
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.num_minibatches = num_minibatches
+        self.times = StepTimes()
+
+    # -- decode -------------------------------------------------------------------------
+    def decode(self, seq_ids: list[int], last_tokens: list[int], positions: list[int]) -> DecodeResult:
+        n = len(seq_ids)
+        tokens = torch.tensor(last_tokens, device=self.device)
+        pos = torch.tensor(positions, device=self.device)
+        h = self.model.embed(tokens)
+        parts = min(self.num_minibatches, n)
+        bounds = [n * j // parts for j in range(parts + 1)]
+        mbs = [MiniBatch(seq_ids[a:b], torch.arange(a, b), h[a:b], pos[a:b]) for a, b in zip(bounds, bounds[1:])]
+        lost: list[int] = []
+        out_of_kv: list[int] = []
+        num_layers = self.model.args.num_layers
+        for layer in range(num_layers + 1):
+            for mb in mbs:
+                if mb.future is not None:
+                    self._finish_layer(layer - 1, mb, lost, out_of_kv)
+                if layer < num_layers and mb.seq_ids:
+                    self._start_layer(layer, mb)
+        alive = [mb for mb in mbs if mb.seq_ids]
+        if not alive:
+            return DecodeResult(torch.empty(0, self.model.args.vocab_size), [], lost, out_of_kv)
+        logits = self.model.logits(torch.cat([mb.h for mb in alive]))
+        rows = torch.cat([mb.rows for mb in alive]).tolist()
+        return DecodeResult(logits, rows, lost, out_of_kv)
+
+    def _start_layer(self, layer: int, mb: MiniBatch) -> None:
+        q, k, v = self.model.pre_attention(layer, mb.h, mb.positions)
+        t = time.perf_counter()
+        try:
+            mb.future = self.backend.submit_decode(layer, mb.seq_ids, q.cpu(), k.cpu(), v.contiguous().cpu())
+        except Exception as e:          # a synchronous failure travels the same way as an async one
+            mb.future = Future()
+            mb.future.set_exception(e)
+        done = time.perf_counter()
+        self.times.backend_calls += done - t
+        mb.submitted = t
+        mb.future.add_done_callback(lambda _f, t=t: self.times.r_intervals.append((t, time.perf_counter())))
+
+    def _finish_layer(self, layer: int, mb: MiniBatch, lost: list[int], out_of_kv: list[int]) -> None:
+        t = time.perf_counter()
+        future, mb.future = mb.future, None
+        try:
+            o = future.result()
+        except SequencesLost as e:
+            gone = set(e.seq_ids) if e.output is not None else set(mb.seq_ids)
+            lost.extend(s for s in mb.seq_ids if s in gone)
+            keep = [i for i, s in enumerate(mb.seq_ids) if s not in gone]
+            o = e.output[keep] if keep else None
+            self._keep(mb, keep)
+        except KVCapacityError:
+            out_of_kv.extend(mb.seq_ids)
+            self._keep(mb, [])
+            o = None
+        finally:
+            self.times.s_wait += time.perf_counter() - t
+        if o is not None and mb.seq_ids:
+            mb.h = self.model.post_attention(layer, mb.h, o.to(self.device))
+
+    @staticmethod
+    def _keep(mb: MiniBatch, keep: list[int]) -> None:
+        idx = torch.tensor(keep, dtype=torch.long)
+        mb.seq_ids = [mb.seq_ids[i] for i in keep]
+        mb.rows = mb.rows[idx]
+        mb.h = mb.h[idx.to(mb.h.device)]
+        mb.positions = mb.positions[idx.to(mb.positions.device)]
+
+    # -- prefill ------------------------------------------------------------------------
+    def prefill(self, seq_ids: list[int], token_lists: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """Run whole prompts through the S-Part (attention here, SDPA causal) and store
+        their k, v in the backend. Returns the last-position logits [n, vocab] of every
+        sequence and the ids whose KV was lost on the way (their logits are unusable).
+        KVCapacityError propagates."""
+        lens = [len(t) for t in token_lists]
+        tokens = torch.tensor([t for ts in token_lists for t in ts], device=self.device)
+        pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        h = self.model.embed(tokens)
+        alive = list(range(len(seq_ids)))
+        lost: list[int] = []
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        for layer in range(self.model.args.num_layers):
+            q, k, v = self.model.pre_attention(layer, h, pos)
+            o = self.model.prefill_attention(q, k, v, lens)
+            if alive:
+                if len(alive) == len(seq_ids):
+                    ks, vs = k.cpu(), v.contiguous().cpu()
+                else:
+                    idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in alive]).to(k.device)
+                    ks, vs = k[idx].cpu(), v[idx].cpu()
+                t = time.perf_counter()
+                try:
+                    self.backend.prefill(layer, [seq_ids[i] for i in alive], [lens[i] for i in alive], ks, vs)
+                except SequencesLost as e:
+                    gone = set(e.seq_ids)
+                    lost.extend(seq_ids[i] for i in alive if seq_ids[i] in gone)
+                    alive = [i for i in alive if seq_ids[i] not in gone]
+                finally:
+                    done = time.perf_counter()
+                    self.times.backend_calls += done - t
+                    self.times.r_intervals.append((t, done))
+            h = self.model.post_attention(layer, h, o)
+        last = torch.tensor(starts[1:], device=self.device) - 1
+        return self.model.logits(h[last]), lost

@@ -1,0 +1,131 @@
+"""Sampling parameters (vLLM-style) and the batched sampler.
+
+One sampler call per step samples every running sequence: greedy rows take an
+argmax, the others are filtered (top-k, top-p), scaled by temperature and
+sampled with the exponential race (argmax of p / E, E ~ Exp(1)), which equals
+multinomial sampling. A request with a seed owns a torch.Generator, so its
+tokens do not depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from fastdecode.engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0           # 0 = greedy
+    top_p: float = 1.0                 # in (0, 1]
+    top_k: int = 0                     # 0 or -1 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise InvalidRequestError(msg)
+
+        check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        check(_is_num(self.temperature) and self.temperature >= 0 and self.temperature == self.temperature
+              and self.temperature != float("inf"), f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        check(_is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(_is_int(self.top_k) and (self.top_k >= 1 or self.top_k in (0, -1)),
+              f"top_k must be an integer >= 1, or 0 / -1 for off, got {self.top_k!r}")
+        check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), f"seed must be a non-negative integer, got {self.seed!r}")
+        check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
+              f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        check(isinstance(self.stop_token_ids, tuple) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+              f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        check(isinstance(self.ignore_eos, bool), f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        """From vLLM-style JSON keys; unknown keys and bad values raise InvalidRequestError."""
+        if not isinstance(d, dict):
+            raise InvalidRequestError(f"sampling parameters must be an object, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+        values = dict(d)
+        if "stop" in values:
+            stop = values["stop"]
+            if stop is None:
+                stop = ()
+            elif isinstance(stop, str):
+                stop = (stop,)
+            elif isinstance(stop, (list, tuple)):
+                stop = tuple(stop)
+            else:
+                raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+            values["stop"] = stop
+        if "stop_token_ids" in values:
+            ids = values["stop_token_ids"]
+            if ids is None:
+                ids = ()
+            if not isinstance(ids, (list, tuple)):
+                raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {type(ids).__name__}")
+            values["stop_token_ids"] = tuple(ids)
+        if values.get("top_k") is None and "top_k" in values:
+            values["top_k"] = 0
+        return cls(**values)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set logits outside each row's top-k / top-p nucleus to -inf.
+    logits [B, V] float32 (already temperature-scaled); top_k [B] (0 = off); top_p [B]."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    ranks = torch.arange(vocab, device=logits.device)
+    remove = ranks[None, :] >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs          # keep a token while the mass before it is < p
+    remove = remove | (mass_before >= top_p[:, None])
+    remove[:, 0] = False                                  # always keep the best token
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits [B, V] float32 -> token ids [B] (int64)."""
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens
+    idx = torch.tensor(rows, device=logits.device)
+    x = logits[idx] / torch.tensor([params[i].temperature for i in rows], device=logits.device)[:, None]
+    if any(params[i].top_k > 0 or params[i].top_p < 1 for i in rows):
+        top_k = torch.tensor([max(params[i].top_k, 0) for i in rows], device=logits.device)
+        top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device, dtype=torch.float32)
+        x = filter_logits(x, top_k, top_p)
+    probs = x.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    shared = [j for j, i in enumerate(rows) if generators[i] is None]
+    if shared:
+        noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_()
+    for j, i in enumerate(rows):
+        if generators[i] is not None:
+            noise[j] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=generators[i])
+    tokens[idx] = (probs / noise.clamp_(min=1e-30)).argmax(dim=-1)
+    return tokens

@@ -1,0 +1,162 @@
+"""Typed wrapper over the C++ R-Part kernel (csrc/ -> fastdecode._kernels).
+
+`KVStore` is the KV-cache of one R-worker: a block pool allocated once
+(huge pages where the OS allows), per (sequence, layer) block tables, fp16 or
+int4 storage, and decode attention with fp32 math on a thread pool (GIL
+released). Arrays may be numpy arrays or CPU torch tensors (float32 or
+float16); contiguous inputs are passed to C++ without copies.
+
+`reference_attention` below is what every kernel path computes.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from fastdecode import _kernels
+
+ISAS = ("auto", "avx512", "avx2", "scalar")
+KV_FORMATS = ("fp16", "int4")
+
+
+def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float | None = None) -> np.ndarray:
+    """Decode attention of one sequence in float64.
+
+    q [H, D], k/v [T, Hkv, D] -> o [H, D]; query head j reads kv head j // (H // Hkv).
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    group = q.shape[0] // k.shape[1]
+    kk = np.repeat(k, group, axis=1).transpose(1, 0, 2)  # [H, T, D]
+    vv = np.repeat(v, group, axis=1).transpose(1, 0, 2)
+    s = np.einsum("hd,htd->ht", q, kk) * (q.shape[1] ** -0.5 if scale is None else scale)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return np.einsum("ht,htd->hd", p / p.sum(axis=-1, keepdims=True), vv)
+
+
+def cpu_supports(isa: str) -> bool:
+    """Whether this CPU (and this build) can run the given kernel path."""
+    return isa == "auto" or _kernels.cpu_supports(isa)
+
+
+def _capacity_error():
+    from fastdecode.attention.base import KVCapacityError  # imports torch: only when needed
+
+    return KVCapacityError
+
+
+def _floats(x, name: str) -> np.ndarray:
+    """numpy view of a float32/float16 array or CPU torch tensor (bfloat16 is widened: a copy)."""
+    if not isinstance(x, np.ndarray):
+        if hasattr(x, "detach") and hasattr(x, "numpy"):  # torch.Tensor, without importing torch
+            if x.device.type != "cpu":
+                raise ValueError(f"{name} must be a CPU tensor, got device {x.device}")
+            x = x.detach()
+            if str(x.dtype) == "torch.bfloat16":
+                x = x.float()
+            x = x.contiguous().numpy()
+        else:
+            x = np.asarray(x)
+    if x.dtype not in (np.float32, np.float16):
+        raise ValueError(f"{name} must be float32 or float16, got {x.dtype}")
+    return np.ascontiguousarray(x)
+
+
+def _ints(x, name: str) -> np.ndarray:
+    if hasattr(x, "detach") and hasattr(x, "numpy"):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.size and a.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be integers, got {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+class KVStore:
+    """Paged KV-cache + decode attention (see module docstring).
+
+    Errors: KeyError (unknown sequence id), ValueError (shape, dtype, NaN/inf,
+    layer out of range, duplicate ids in one call), KVCapacityError (pool
+    exhausted; nothing of the call was stored).
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity_bytes: int,
+                 block_size: int = 16, kv_format: str = "fp16", num_threads: int = 0, isa: str = "auto") -> None:
+        if kv_format not in KV_FORMATS:
+            raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
+        if isa not in ISAS:
+            raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+        self._s = _kernels.KVStore(int(num_layers), int(num_kv_heads), int(head_dim), int(capacity_bytes),
+                                   int(block_size), kv_format, int(num_threads), isa)
+        self.num_layers = int(num_layers)
+        self.num_kv_heads = int(num_kv_heads)
+        self.head_dim = int(head_dim)
+        self.block_size = int(block_size)
+        self.kv_format = kv_format
+
+    @property
+    def isa(self) -> str:
+        """The kernel path in use: "avx512" | "avx2" | "scalar"."""
+        return self._s.isa
+
+    @property
+    def num_threads(self) -> int:
+        return self._s.num_threads
+
+    @property
+    def block_bytes(self) -> int:
+        return self._s.block_bytes
+
+    def set_threads(self, num_threads: int) -> None:
+        """Resize the kernel's thread pool (0 = all CPUs this process may use)."""
+        self._s.set_threads(int(num_threads))
+
+    def create(self, seq_ids: Sequence[int]) -> None:
+        self._s.create(_ints(seq_ids, "seq_ids"))
+
+    def free(self, seq_ids: Sequence[int]) -> None:
+        self._s.free(_ints(seq_ids, "seq_ids"))
+
+    def has(self, seq_id: int) -> bool:
+        return self._s.has(int(seq_id))
+
+    def length(self, seq_id: int, layer: int = 0) -> int:
+        return self._s.length(int(seq_id), int(layer))
+
+    def append(self, layer: int, seq_ids: Sequence[int], k, v) -> None:
+        """One new token per sequence: k, v [B, Hkv, D]."""
+        self._call(self._s.append, int(layer), _ints(seq_ids, "seq_ids"), _floats(k, "k"), _floats(v, "v"))
+
+    def append_span(self, layer: int, seq_ids: Sequence[int], lens: Sequence[int], k, v) -> None:
+        """lens[i] tokens per sequence, back to back: k, v [sum(lens), Hkv, D]."""
+        self._call(self._s.append_span, int(layer), _ints(seq_ids, "seq_ids"), _ints(lens, "lens"),
+                   _floats(k, "k"), _floats(v, "v"))
+
+    def attend(self, layer: int, seq_ids: Sequence[int], q, scale: float | None = None) -> np.ndarray:
+        """q [B, H, D] -> o float32 [B, H, D] over each sequence's cache at `layer`."""
+        return self._call(self._s.attend, int(layer), _ints(seq_ids, "seq_ids"), _floats(q, "q"), scale)
+
+    def decode(self, layer: int, seq_ids: Sequence[int], q, k, v, scale: float | None = None) -> np.ndarray:
+        """append(k, v) then attend(q), in one call."""
+        return self._call(self._s.decode, int(layer), _ints(seq_ids, "seq_ids"), _floats(q, "q"),
+                          _floats(k, "k"), _floats(v, "v"), scale)
+
+    def read(self, seq_id: int, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The cache as the kernel sees it (fp16 widened, int4 dequantized): k, v float32 [T, Hkv, D]."""
+        return self._s.read(int(seq_id), int(layer))
+
+    def stats(self) -> dict:
+        """sequences, kv_tokens (per sequence: its longest layer), blocks_used, blocks_total, bytes_used, capacity_bytes."""
+        return self._s.stats()
+
+    def close(self) -> None:
+        """Release the pool now; the store is unusable after."""
+        self._s.close()
+
+    @staticmethod
+    def _call(fn, *args):
+        try:
+            return fn(*args)
+        except _kernels.CapacityError as e:
+            raise _capacity_error()(str(e)) from None

@@ -1,0 +1,133 @@
+"""The S-Part of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2).
+
+Everything with weights lives here; attention does not. Each layer is cut in
+two around attention so the engine can hand attention to a backend (and run
+another mini-batch meanwhile):
+
+    q, k, v = model.pre_attention(i, h, positions)   # norm -> fused qkv -> rope
+    o = <attention backend or prefill SDPA>(q, k, v)
+    h = model.post_attention(i, h, o)                 # o proj + residual, norm -> MLP + residual
+
+Tensors are token-major: h [N, hidden], q [N, H, D], k/v [N, Hkv, D], o [N, H, D].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdecode.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_hf(cls, c) -> "ModelArgs":
+        archs = getattr(c, "architectures", None) or []
+        if archs and archs[0] not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {SUPPORTED_ARCHITECTURES}")
+        if getattr(c, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {c.hidden_act!r} (SwiGLU needs silu)")
+        qwen2 = c.model_type == "qwen2"
+        heads = c.num_attention_heads
+        return cls(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+            num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps,
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            qkv_bias=qwen2 or bool(getattr(c, "attention_bias", False)),
+            o_bias=not qwen2 and bool(getattr(c, "attention_bias", False)),
+            mlp_bias=bool(getattr(c, "mlp_bias", False)),
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.qkv_proj = nn.Linear(a.hidden_size, (a.num_heads + 2 * a.num_kv_heads) * a.head_dim, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = SwiGLU(a.hidden_size, a.intermediate_size, a.mlp_bias)
+
+    def pre_attention(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding):
+        n = h.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(h))
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        return q, k, v
+
+    def post_attention(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        h = h + self.o_proj(o.reshape(h.shape[0], -1).to(h.dtype))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs, hf_config, max_len: int) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(hf_config, args.head_dim, max_len)
+        self.scale = args.head_dim ** -0.5
+
+    # -- the pieces the engine drives -------------------------------------------------
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(token_ids)
+
+    def pre_attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor):
+        return self.layers[layer].pre_attention(h, positions, self.rope)
+
+    def post_attention(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        return self.layers[layer].post_attention(h, o)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head, float32 logits [N, vocab]."""
+        return self.lm_head(self.norm(h)).float()
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        """Causal attention of each prompt over itself (sequences back to back) -> o [N, H, D]."""
+        out = torch.empty_like(q)
+        start = 0
+        for n in lens:
+            s = slice(start, start + n)
+            o = F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1),
+                                               is_causal=True, scale=self.scale, enable_gqa=True)
+            out[s] = o.transpose(0, 1)
+            start += n
+        return out
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        """Whole-prompt forward without any KV-cache (tests, perplexity): logits [N, vocab]."""
+        h = self.embed(token_ids)
+        for i in range(self.args.num_layers):
+            q, k, v = self.pre_attention(i, h, positions)
+            h = self.post_attention(i, h, self.prefill_attention(q, k, v, lens))
+        return self.logits(h)

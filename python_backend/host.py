@@ -1,0 +1,284 @@
+"""EngineHost: one engine behind one decoupled Triton model instance.
+
+execute() calls `submit()` per request: it parses and validates the request, registers it and
+hands it to the engine (engine.add_request validates too) -- or answers at once with an error.
+It never waits for tokens. The engine's background loop calls `on_output` for every
+RequestOutput; a single sender thread turns them into responses and sends them (the last one
+with the FINAL flag), so the engine loop never blocks on Triton. The same thread polls each
+live request's `is_cancelled()` (the client cancelled its gRPC stream) and aborts it in the
+engine, which frees its KV at once; pushes metrics; and watches `engine.healthy`: once the
+engine loop has crashed, every live request ends with an error, new ones are refused, and the
+model unloads itself so that Triton reports it not ready.
+
+The Triton side is behind `Transport` (pb_model.PbTransport in Triton, a fake in tests).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from python_backend.errors import UNAVAILABLE, BadRequest, ErrorInfo, map_exception
+from python_backend.metrics import Metrics
+from python_backend.request import GenerateRequest, parse_request
+from python_backend.response import Outputs, ResponseBuilder
+
+
+class Transport(Protocol):
+    def send(self, sender: Any, outputs: Outputs | None, error: ErrorInfo | None, final: bool) -> None: ...
+    def is_cancelled(self, sender: Any) -> bool: ...
+    def unload(self) -> None: ...            # ask Triton to unload this model (it then reports not ready)
+    def log(self, level: str, message: str) -> None: ...
+
+
+@dataclass
+class Live:
+    request_id: str
+    sender: Any
+    request: GenerateRequest
+    builder: ResponseBuilder
+    arrival: float
+    first_token: float | None = None
+    cancelled: bool = False
+    done: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+_STOP = object()
+
+
+class EngineHost:
+    def __init__(self, engine, transport: Transport, metrics: Metrics | None = None, *,
+                 make_params: Callable[[dict], Any] | None = None, cancel_poll_s: float = 0.1,
+                 metrics_interval_s: float = 1.0, crash_grace_s: float = 1.0):
+        self.engine = engine
+        self.transport = transport
+        self.metrics = metrics
+        self.make_params = make_params or _engine_sampling_params
+        self.cancel_poll_s = cancel_poll_s
+        self.metrics_interval_s = metrics_interval_s
+        self.crash_grace_s = crash_grace_s
+        self.healthy = True
+        self.crash_reason = ""
+        self._ids = itertools.count()
+        self._prefix = f"t{os.getpid()}-"
+        self._live: dict[str, Live] = {}
+        self._lock = threading.Lock()
+        self._outputs: queue.SimpleQueue = queue.SimpleQueue()
+        self._crashed_at: float | None = None
+        self._thread = threading.Thread(target=self._run, name="fastdecode-sender", daemon=True)
+        self._thread.start()
+
+    # ---- execute() side
+    def submit(self, sender, get_input: Callable[[str], Any], parameters: str | dict | None = None) -> str | None:
+        """Validate and enqueue one request; on failure answer it with a final error response.
+        Returns the engine request id, or None when the request was refused."""
+        if not self.healthy:
+            self._send_error(sender, ErrorInfo(f"model unavailable: the engine crashed ({self.crash_reason}); "
+                                               "reload the model", UNAVAILABLE))
+            return None
+        try:
+            request = parse_request(get_input, parameters)
+            self._check_max_tokens(request.sampling)
+            try:
+                params = self.make_params(request.sampling)
+            except Exception as e:   # whatever SamplingParams.from_dict raises is about the client's values
+                raise BadRequest(f"sampling_parameters: {e}") from None
+        except Exception as e:
+            self._send_error(sender, map_exception(e))
+            return None
+        request_id = f"{self._prefix}{next(self._ids)}"
+        live = Live(request_id, sender, request, ResponseBuilder(request), arrival=time.monotonic())
+        with self._lock:
+            self._live[request_id] = live
+        try:
+            self.engine.add_request(request.prompt, params, request_id=request_id, on_output=self.on_output)
+        except Exception as e:
+            with self._lock:
+                self._live.pop(request_id, None)
+            self._send_error(sender, map_exception(e))
+            return None
+        return request_id
+
+    def _check_max_tokens(self, sampling: dict) -> None:
+        limit = getattr(self.engine, "max_model_len", None)
+        n = sampling.get("max_tokens")
+        if isinstance(limit, int) and isinstance(n, int) and not isinstance(n, bool) and n > limit:
+            raise BadRequest(f"max_tokens {n} exceeds the model's context length ({limit} tokens)")
+
+    # ---- engine loop side
+    def on_output(self, out) -> None:
+        self._outputs.put(out)
+
+    # ---- sender thread
+    def _run(self) -> None:
+        next_poll = next_flush = time.monotonic()
+        while True:
+            timeout = max(0.0, min(next_poll, next_flush) - time.monotonic())
+            try:
+                item = self._outputs.get(timeout=timeout)
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                return
+            batch = [] if item is None else [item]
+            while True:                               # drain what is there: one pass, many sends
+                try:
+                    more = self._outputs.get_nowait()
+                except queue.Empty:
+                    break
+                if more is _STOP:
+                    self._handle_all(batch)
+                    return
+                batch.append(more)
+            self._handle_all(batch)
+            now = time.monotonic()
+            if now >= next_poll:
+                self._poll_cancelled()
+                self._watch_engine()
+                next_poll = now + self.cancel_poll_s
+            if now >= next_flush:
+                self._flush_metrics()
+                next_flush = now + self.metrics_interval_s
+
+    def _handle_all(self, batch: list) -> None:
+        for out in batch:
+            try:
+                self._handle(out)
+            except Exception:
+                self.transport.log("error", f"fastdecode: failed to handle an output: {traceback.format_exc()}")
+
+    def _handle(self, out) -> None:
+        with self._lock:
+            live = self._live.get(out.request_id)
+        if live is None or live.done:
+            return
+        now = time.monotonic()
+        if live.first_token is None and (out.token_ids or out.finished):
+            live.first_token = now
+            if self.metrics is not None and out.token_ids:
+                self.metrics.first_token(now - live.arrival, out.num_prompt_tokens)
+        if self.metrics is not None:
+            self.metrics.tokens(len(out.token_ids))
+        outputs, error = live.builder.on_output(out)
+        if out.finished:
+            self._finish(live)
+            if self.metrics is not None:
+                self.metrics.request_finished(out.finish_reason, now - live.first_token, out.num_output_tokens)
+        if outputs is None and error is None and not out.finished:
+            return
+        if live.cancelled and not out.finished:
+            return
+        try:
+            self.transport.send(live.sender, outputs, error, final=out.finished)
+        except Exception as e:                        # the client is gone: stop generating for it
+            self.transport.log("warn", f"fastdecode: send failed for {live.request_id} ({e}); aborting it")
+            if not out.finished:
+                self._abort(live)
+
+    def _finish(self, live: Live) -> None:
+        live.done = True
+        with self._lock:
+            self._live.pop(live.request_id, None)
+
+    def _abort(self, live: Live) -> None:
+        live.cancelled = True
+        try:
+            self.engine.abort(live.request_id)
+        except Exception as e:
+            self.transport.log("warn", f"fastdecode: abort of {live.request_id} failed: {e}")
+
+    def _poll_cancelled(self) -> None:
+        with self._lock:
+            candidates = [live for live in self._live.values() if not live.cancelled]
+        for live in candidates:
+            try:
+                cancelled = self.transport.is_cancelled(live.sender)
+            except Exception:
+                cancelled = True
+            if cancelled:
+                self._abort(live)
+
+    def _watch_engine(self) -> None:
+        if self.healthy and not getattr(self.engine, "healthy", True):
+            self.healthy = False
+            self.crash_reason = str(getattr(self.engine, "error", None) or getattr(self.engine, "_error", None)
+                                    or "engine loop stopped")
+            self._crashed_at = time.monotonic()
+            self.transport.log("error", f"fastdecode: engine crashed ({self.crash_reason}); "
+                                        "failing live requests and unloading the model")
+            try:
+                self.transport.unload()
+            except Exception as e:
+                self.transport.log("error", f"fastdecode: could not unload the model: {e}")
+        if not self.healthy and time.monotonic() - self._crashed_at >= self.crash_grace_s:
+            # The engine ends its requests with finish_reason "error"; whatever it missed ends here.
+            self._fail_all(ErrorInfo(f"model unavailable: the engine crashed ({self.crash_reason})", UNAVAILABLE))
+
+    def _fail_all(self, error: ErrorInfo) -> None:
+        with self._lock:
+            lives, self._live = list(self._live.values()), {}
+        for live in lives:
+            live.done = True
+            self._send_error(live.sender, error)
+            if self.metrics is not None:
+                self.metrics.request_finished("error", None, 0)
+
+    def _flush_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.flush(self.engine.stats())
+        except Exception as e:
+            self.transport.log("warn", f"fastdecode: metrics update failed: {e}")
+
+    def _send_error(self, sender, error: ErrorInfo) -> None:
+        try:
+            self.transport.send(sender, None, error, final=True)
+        except Exception as e:
+            self.transport.log("warn", f"fastdecode: could not send an error response: {e}")
+
+    # ---- lifecycle
+    def live_count(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine, end the requests still live with an error, stop the sender thread."""
+        try:
+            self.engine.stop()
+        except Exception as e:
+            self.transport.log("warn", f"fastdecode: engine.stop failed: {e}")
+        self._outputs.put(_STOP)
+        self._thread.join(timeout)
+        self._fail_all(ErrorInfo("model is unloading", UNAVAILABLE))
+
+
+def _engine_sampling_params(values: dict):
+    from fastdecode.engine import SamplingParams
+
+    return SamplingParams.from_dict(values)
+
+
+def install_step_fault(engine, flag_file: str) -> None:
+    """TEST ONLY (model parameter fault_step_error_file): while `flag_file` exists, the engine step
+    fails -- the drill for the crash watchdog. The fault goes into the S-Part forward
+    (engine.runner.prefill/decode) so that it raises inside engine.step, where a real fault
+    would; an engine without a runner (the unit tests' fake) gets it in step() itself."""
+    def faulty(real):
+        def call(*args, **kwargs):
+            if os.path.exists(flag_file):
+                raise RuntimeError(f"injected engine fault ({flag_file} exists)")
+            return real(*args, **kwargs)
+        return call
+
+    runner = getattr(engine, "runner", None)
+    if runner is not None:
+        runner.prefill, runner.decode = faulty(runner.prefill), faulty(runner.decode)
+    else:
+        engine.step = faulty(engine.step)

@@ -1,0 +1,113 @@
+"""Triton request -> GenerateRequest, following the tensor contract of Triton's vLLM backend.
+
+Inputs: text_input (STRING, required), stream (BOOL), sampling_parameters (STRING holding a
+JSON object: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos),
+exclude_input_in_output, return_finish_reason, return_num_input_tokens, return_num_output_tokens
+(BOOL). Without a sampling_parameters tensor the request's parameters are used instead (what
+Triton's generate endpoint makes of `"parameters": {...}`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from python_backend.errors import BadRequest
+
+FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason",
+         "return_num_input_tokens", "return_num_output_tokens")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str
+    stream: bool = False
+    sampling: dict = field(default_factory=dict)   # for the engine's SamplingParams.from_dict
+    exclude_input_in_output: bool = False
+    return_finish_reason: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+
+    @property
+    def prepend_prompt(self) -> bool:
+        """The vLLM backend returns prompt + completion unless streaming or told not to."""
+        return not self.stream and not self.exclude_input_in_output
+
+
+def parse_request(get_input: Callable[[str], "np.ndarray | None"], parameters: str | dict | None = None
+                  ) -> GenerateRequest:
+    """`get_input(name)` gives an input tensor as numpy (None if absent); `parameters` are the
+    request parameters (JSON text or dict). Raises BadRequest with a message for the client."""
+    request_params = _request_parameters(parameters)
+    prompt = _text_input(get_input("text_input"))
+    flags = {}
+    for name in FLAGS:
+        array = get_input(name)
+        if array is not None:
+            flags[name] = _single_bool(array, name)
+        elif name in request_params:
+            value = request_params[name]
+            if not isinstance(value, bool):
+                raise BadRequest(f"parameter {name!r} must be true or false, got {value!r}")
+            flags[name] = value
+    sampling_tensor = get_input("sampling_parameters")
+    if sampling_tensor is not None:
+        sampling = _json_object(_single_string(sampling_tensor, "sampling_parameters"), "sampling_parameters")
+    else:
+        sampling = {k: v for k, v in request_params.items() if k not in FLAGS and not k.startswith("triton_")}
+    return GenerateRequest(prompt=prompt, sampling=sampling, **flags)
+
+
+def _request_parameters(parameters) -> dict:
+    if not parameters:
+        return {}
+    if isinstance(parameters, dict):
+        return parameters
+    return _json_object(parameters, "request parameters")
+
+
+def _text_input(array) -> str:
+    if array is None:
+        raise BadRequest("missing input 'text_input' (a STRING tensor holding the prompt)")
+    prompt = _single_string(array, "text_input")
+    if not prompt:
+        raise BadRequest("'text_input' is empty")
+    return prompt
+
+
+def _single(array, name: str):
+    flat = np.asarray(array).reshape(-1)
+    if flat.size != 1:
+        raise BadRequest(f"{name!r} must hold exactly one element, got shape {list(np.shape(array))}")
+    return flat[0]
+
+
+def _single_string(array, name: str) -> str:
+    value = _single(array, name)
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BadRequest(f"{name!r} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    if isinstance(value, (str, np.str_)):
+        return str(value)
+    raise BadRequest(f"{name!r} must be a STRING (BYTES) tensor, got {type(value).__name__}")
+
+
+def _single_bool(array, name: str) -> bool:
+    value = _single(array, name)
+    if not isinstance(value, (bool, np.bool_)):
+        raise BadRequest(f"{name!r} must be a BOOL tensor, got {np.asarray(array).dtype}")
+    return bool(value)
+
+
+def _json_object(text: str, name: str) -> dict:
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, TypeError) as e:
+        raise BadRequest(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise BadRequest(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value

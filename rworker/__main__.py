@@ -1,0 +1,61 @@
+"""python -m rworker --listen HOST:PORT --kv-capacity SIZE --threads N [...]
+
+Serves the R-Part (KV-cache + attention) over gRPC. Prints "READY <host:port>"
+on stderr once serving; SIGTERM drains (new sequences refused, open ones
+served until closed) and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import logging
+import signal
+import sys
+
+from fastdecode.config import parse_size
+from rworker.auth import read_token
+from rworker.server import ServerOptions, serve
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rworker", description=__doc__.split("\n\n")[1])
+    p.add_argument("--listen", default="127.0.0.1:50061", help="HOST:PORT (port 0 = any free port)")
+    p.add_argument("--kv-capacity", default="1G", type=parse_size, help="KV pool size, e.g. 512M, 4G")
+    p.add_argument("--threads", default=0, type=int, help="kernel threads (0 = all cores)")
+    p.add_argument("--block-size", default=16, type=int, help="tokens per KV block")
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument("--token", default="", help="shared token every call must carry")
+    tok.add_argument("--token-file", default="", help="file holding the shared token")
+    p.add_argument("--tls-cert", default="", help="server certificate (PEM): enables TLS")
+    p.add_argument("--tls-key", default="", help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", default="", help="CA of client certificates: enables mutual TLS")
+    p.add_argument("--max-message-size", default="64M", type=parse_size, help="largest message accepted")
+    p.add_argument("--max-connections", default=64, type=int, help="concurrent S-worker streams")
+    p.add_argument("--drain-timeout", default=60.0, type=float, help="seconds SIGTERM waits for open sequences")
+    p.add_argument("--store", default="kernel", choices=("kernel", "numpy"),
+                   help="KV store: the C++ kernel, or the slow numpy reference")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    faulthandler.register(signal.SIGUSR1)     # kill -USR1 <pid>: dump every thread's stack to the log
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s rworker %(levelname)s %(message)s")
+    if args.kv_capacity <= 0 or args.threads < 0 or args.block_size < 1:
+        sys.exit("rworker: --kv-capacity > 0, --threads >= 0 and --block-size >= 1 are required")
+    if args.store == "numpy":
+        from rworker.refstore import NumpyKVStore as store_factory
+    else:
+        from rworker.service import default_store_factory as store_factory
+    opts = ServerOptions(
+        listen=args.listen, kv_capacity=args.kv_capacity, threads=args.threads, block_size=args.block_size,
+        token=read_token(args.token, args.token_file), tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca, max_message_bytes=args.max_message_size,
+        max_connections=args.max_connections, drain_timeout_s=args.drain_timeout)
+    return serve(opts, store_factory)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

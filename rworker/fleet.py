@@ -1,0 +1,566 @@
+"""Start, stop and inspect a fleet of R-workers (`make rworkers`, `make rworkers-stop`).
+
+Local mode (default): N `python -m rworker` processes on this machine, each in its own
+session, with its log and pid file under the run directory. Inventory mode
+(`--inventory hosts.ini`): Ansible rolls the R-worker out as a systemd service on each
+host of the inventory's `rworkers` group (deploy/ansible/rworkers.yml).
+
+CLI:
+    python -m rworker.fleet start  --n N --run-dir DIR [--base-port P] [--kv-capacity SIZE]
+                                   [--threads T] [--host H] [--inventory FILE] [-- RWORKER_ARGS...]
+    python -m rworker.fleet stop   --run-dir DIR [--inventory FILE]
+    python -m rworker.fleet status --run-dir DIR
+`start` prints the comma-separated addresses on stdout (and writes DIR/addresses.txt),
+usable as EngineConfig.rworkers / FASTDECODE_RWORKERS. Starting a running fleet again
+reports it and restarts only workers that died. Arguments after `--` go to every
+`python -m rworker` (e.g. `-- --token-file /etc/rworker.token`).
+
+Python API (tests, benches, serve):
+    from rworker.fleet import LocalFleet
+    with LocalFleet(2, run_dir, kv_capacity="64M", threads=1) as fleet:
+        config = EngineConfig(attention="remote", rworkers=fleet.addresses)
+        fleet.kill(0)                    # SIGKILL worker 0; fleet.kill(1, signal.SIGSTOP) stalls one
+        fleet.restart(0)                 # worker 0 again, same address
+    # leaving the block stops all: SIGTERM (drain), SIGKILL after stop_timeout seconds.
+
+    LocalFleet(n, run_dir, *, base_port=0, kv_capacity="1G", threads=0, host="127.0.0.1",
+               rworker_args=(), hosts=None, prefixes=None, start_timeout=60.0, stop_timeout=10.0)
+    .start() -> self    .stop()    .kill(i, sig=SIGKILL)    .restart(i)    .alive(i) -> bool
+    .addresses: tuple[str, ...]    .pids: list[int]    .log_path(i) -> Path
+base_port=0 picks free ports (50061 + i for workers with a prefix); threads=0 gives each
+worker cpu_count // n threads.
+`hosts` (one listen address per worker) and `prefixes` (a command prefix per worker, e.g.
+["ip", "netns", "exec", "ns0"]) run workers elsewhere than on 127.0.0.1 (tests/test_netns.py).
+Failures raise FleetError with the worker's log tail; nothing is left running.
+
+Run directory: fleet.json (state), worker-<i>.pid, worker-<i>.log, addresses.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import psutil
+
+from fastdecode.config import parse_size
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PLAYBOOK = REPO_ROOT / "deploy" / "ansible" / "rworkers.yml"
+MAX_WORKERS = 256
+DEFAULT_PORT = 50061
+READY = re.compile(rb"\bREADY\b")
+
+
+class FleetError(RuntimeError):
+    pass
+
+
+def health(address: str, timeout: float = 1.0) -> str:
+    """grpc.health.v1 status of one R-worker: SERVING, NOT_SERVING, ..., or UNREACHABLE.
+
+    A worker that wants a token for health checks too answers UNAUTHENTICATED: alive.
+    """
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            code = e.code()
+            return "UNAUTHENTICATED" if code == grpc.StatusCode.UNAUTHENTICATED else "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def _family(host: str) -> int:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def address_of(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def free_port(host: str) -> int:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _log_tail(path: Path, start: int = 0, lines: int = 15) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.strip().splitlines()[-lines:]) or "(log empty)"
+
+
+def _status(pid: int) -> str:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return "gone"
+
+
+def _running(pid: int, create_time: float) -> bool:
+    """The process we started is still there (not a zombie, not a recycled pid)."""
+    try:
+        p = psutil.Process(pid)
+        return abs(p.create_time() - create_time) < 0.5 and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class LocalFleet:
+    """N R-worker processes on this machine. See the module docstring."""
+
+    def __init__(self, n: int, run_dir: str | os.PathLike, *, base_port: int = 0, kv_capacity: str | int = "1G",
+                 threads: int = 0, host: str = "127.0.0.1", rworker_args: Sequence[str] = (),
+                 hosts: Sequence[str] | None = None, prefixes: Sequence[Sequence[str]] | None = None,
+                 start_timeout: float = 60.0, stop_timeout: float = 10.0):
+        if not isinstance(n, int) or not 1 <= n <= MAX_WORKERS:
+            raise FleetError(f"number of R-workers must be 1..{MAX_WORKERS}, got {n!r}")
+        if not isinstance(base_port, int) or not (base_port == 0 or 1 <= base_port <= 65536 - n):
+            raise FleetError(f"base port must be 0 (free ports) or 1..{65536 - n} for {n} workers, got {base_port!r}")
+        try:
+            capacity = kv_capacity if isinstance(kv_capacity, int) else parse_size(str(kv_capacity))
+        except ValueError as e:
+            raise FleetError(f"bad --kv-capacity: {e}") from None
+        if capacity <= 0:
+            raise FleetError(f"KV capacity must be > 0, got {kv_capacity!r}")
+        if not isinstance(threads, int) or threads < 0:
+            raise FleetError(f"threads must be >= 0 (0 = cores / workers), got {threads!r}")
+        if hosts is not None and len(hosts) != n or prefixes is not None and len(prefixes) != n:
+            raise FleetError(f"hosts and prefixes need one entry per worker ({n})")
+        self.n = n
+        self.run_dir = Path(run_dir)
+        self.base_port = base_port
+        self.capacity = capacity
+        self.threads = threads or max(1, (os.cpu_count() or 1) // n)
+        self.hosts = list(hosts) if hosts is not None else [host] * n
+        self.prefixes = [list(p) for p in prefixes] if prefixes is not None else [[] for _ in range(n)]
+        self.rworker_args = list(rworker_args)
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.workers: list[dict] = []        # the state saved in fleet.json
+        self._procs: dict[int, subprocess.Popen] = {}
+
+    # ---- public API
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return tuple(w["address"] for w in self.workers)
+
+    @property
+    def pids(self) -> list[int]:
+        return [w["pid"] for w in self.workers]
+
+    def log_path(self, i: int) -> Path:
+        return self.run_dir / f"worker-{i}.log"
+
+    def alive(self, i: int) -> bool:
+        w = self.workers[i]
+        if not w["pid"]:
+            return False
+        proc = self._procs.get(i)
+        if proc is not None and proc.poll() is not None:
+            return False
+        return _running(w["pid"], w["create_time"])
+
+    def start(self) -> "LocalFleet":
+        """Start all workers and wait until each serves; on any failure stop them all and raise."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        existing = self.load(self.run_dir)
+        if existing is not None and any(existing.alive(i) for i in range(existing.n)):
+            raise FleetError(f"an R-worker fleet is already running in {self.run_dir} "
+                             f"({', '.join(existing.addresses)}); stop it first")
+        self.workers = []
+        try:
+            for i in range(self.n):
+                if self.base_port:
+                    port = self.base_port + i
+                elif self.prefixes[i]:       # another host or namespace: its ports cannot be probed from here
+                    port = DEFAULT_PORT + i
+                else:
+                    port = free_port(self.hosts[i])
+                self.workers.append({"index": i, "host": self.hosts[i], "port": port,
+                                     "address": address_of(self.hosts[i], port), "pid": 0, "create_time": 0.0})
+                self._launch(i)
+            for i in range(self.n):
+                self._wait_ready(i)
+        except BaseException:
+            self.stop()
+            raise
+        self._save()
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM every worker (drain), SIGKILL those still there after stop_timeout; remove pid files."""
+        live = [i for i in range(len(self.workers)) if self.alive(i)]
+        self._terminate(live)
+        deadline = time.monotonic() + self.stop_timeout
+        while live and time.monotonic() < deadline:
+            live = [i for i in live if self.alive(i)]
+            time.sleep(0.05)
+        for i in live:
+            self._signal(i, signal.SIGKILL)
+        for i in live:
+            self._reap(i, timeout=5.0)
+        for i in range(len(self.workers)):
+            self._reap(i, timeout=0)
+            (self.run_dir / f"worker-{i}.pid").unlink(missing_ok=True)
+        (self.run_dir / "fleet.json").unlink(missing_ok=True)
+        (self.run_dir / "addresses.txt").unlink(missing_ok=True)
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to worker i; SIGKILL returns once it is gone, SIGSTOP once it is stopped."""
+        self._signal(i, sig)
+        if sig == signal.SIGKILL:
+            self._reap(i, timeout=10.0)
+        deadline = time.monotonic() + 2.0
+        while sig == signal.SIGSTOP and _status(self.workers[i]["pid"]) != psutil.STATUS_STOPPED \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def restart(self, i: int) -> None:
+        """Start worker i again on its address (after kill); a live one is stopped first."""
+        if self.alive(i):
+            self._terminate([i])
+            if not self._reap(i, timeout=self.stop_timeout):
+                self.kill(i)
+        self._reap(i, timeout=0)
+        self._launch(i)
+        try:
+            self._wait_ready(i)
+        except BaseException:
+            if self.alive(i):
+                self.kill(i)
+            raise
+        self._save()
+
+    def __enter__(self) -> "LocalFleet":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @classmethod
+    def load(cls, run_dir: str | os.PathLike) -> "LocalFleet | None":
+        """The fleet recorded in run_dir/fleet.json (started by this or another process), or None."""
+        path = Path(run_dir) / "fleet.json"
+        try:
+            state = json.loads(path.read_text())
+            fleet = cls(state["n"], run_dir, kv_capacity=state["kv_capacity"], threads=state["threads"],
+                        hosts=[w["host"] for w in state["workers"]], prefixes=state["prefixes"],
+                        rworker_args=state["rworker_args"])
+            fleet.workers = state["workers"]
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError, FleetError) as e:
+            raise FleetError(f"{path} is damaged ({e}); remove it after checking no R-worker runs") from None
+        return fleet
+
+    # ---- internals
+    def _argv(self, i: int) -> list[str]:
+        w = self.workers[i]
+        return [*self.prefixes[i], sys.executable, "-m", "rworker", "--listen", w["address"],
+                "--kv-capacity", str(self.capacity), "--threads", str(self.threads), *self.rworker_args]
+
+    def _launch(self, i: int) -> None:
+        w = self.workers[i]
+        if not self.prefixes[i] and not _port_free(w["host"], w["port"]):
+            raise FleetError(f"R-worker {i}: port {w['address']} is already in use")
+        log = self.log_path(i)
+        with open(log, "ab") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(self._argv(i))}\n".encode())
+            w["log_offset"] = f.tell()
+            proc = subprocess.Popen(self._argv(i), stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                    cwd=REPO_ROOT, start_new_session=True)
+        self._procs[i] = proc
+        w["pid"] = proc.pid
+        try:
+            w["create_time"] = psutil.Process(proc.pid).create_time()
+        except psutil.Error:          # already gone: _wait_ready reports it with the log
+            w["create_time"] = 0.0
+        (self.run_dir / f"worker-{i}.pid").write_text(f"{proc.pid}\n")
+
+    def _wait_ready(self, i: int) -> None:
+        w, log = self.workers[i], self.log_path(i)
+        deadline = time.monotonic() + self.start_timeout
+        seen_ready = False
+        while True:
+            proc = self._procs[i]
+            if proc.poll() is not None:
+                raise FleetError(f"R-worker {i} ({w['address']}) exited with status {proc.returncode} "
+                                 f"before serving; log {log}:\n{_log_tail(log, w['log_offset'])}")
+            if not seen_ready:
+                with open(log, "rb") as f:
+                    f.seek(w["log_offset"])
+                    seen_ready = READY.search(f.read()) is not None
+            if seen_ready and (self._tls or health(w["address"], timeout=1.0) in ("SERVING", "UNAUTHENTICATED")):
+                return
+            if time.monotonic() > deadline:
+                raise FleetError(f"R-worker {i} ({w['address']}) not serving after {self.start_timeout:.0f} s; "
+                                 f"log {log}:\n{_log_tail(log, w['log_offset'])}")
+            time.sleep(0.05)
+
+    @property
+    def _tls(self) -> bool:
+        # Health is probed in plaintext; a TLS worker is taken as ready on its READY line.
+        return "--tls-cert" in self.rworker_args
+
+    def _terminate(self, workers: list[int]) -> None:
+        # Wake stopped (SIGSTOP) workers and let them run before SIGTERM: a signal sent
+        # to a process right after SIGCONT may land on a thread other than the main
+        # one, and Python runs handlers on the main thread only.
+        stopped = [i for i in workers if _status(self.workers[i]["pid"]) == psutil.STATUS_STOPPED]
+        for i in stopped:
+            self._signal(i, signal.SIGCONT)
+        if stopped:
+            time.sleep(0.1)
+        for i in workers:
+            self._signal(i, signal.SIGTERM)
+
+    def _signal(self, i: int, sig: int) -> None:
+        if self.alive(i):
+            try:
+                os.kill(self.workers[i]["pid"], sig)
+            except ProcessLookupError:
+                pass
+
+    def _reap(self, i: int, timeout: float) -> bool:
+        """Wait up to `timeout` for worker i to be gone; True if it is."""
+        proc = self._procs.get(i)
+        if proc is not None:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+        deadline = time.monotonic() + timeout
+        while self.alive(i):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def _save(self) -> None:
+        state = {"n": self.n, "kv_capacity": self.capacity, "threads": self.threads, "prefixes": self.prefixes,
+                 "rworker_args": self.rworker_args, "workers": self.workers}
+        tmp = self.run_dir / "fleet.json.tmp"
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(self.run_dir / "fleet.json")
+        (self.run_dir / "addresses.txt").write_text(",".join(self.addresses) + "\n")
+
+
+# ---- inventory mode (Ansible)
+
+def inventory_addresses(inventory: str) -> list[str]:
+    """host:port of every host in the inventory's `rworkers` group, as the playbook configures them."""
+    out = _run_ansible(["ansible-inventory", "-i", inventory, "--list"], capture=True)
+    data = json.loads(out)
+    hostvars = data.get("_meta", {}).get("hostvars", {})
+
+    def hosts_of(group: str) -> list[str]:
+        g = data.get(group, {})
+        return g.get("hosts", []) + [h for child in g.get("children", []) for h in hosts_of(child)]
+
+    hosts = list(dict.fromkeys(hosts_of("rworkers")))
+    if not hosts:
+        raise FleetError(f"inventory {inventory} has no hosts in group [rworkers]")
+    addresses = []
+    for h in hosts:
+        v = hostvars.get(h, {})
+        addresses.append(f"{v.get('rworker_host', v.get('ansible_host', h))}:{v.get('rworker_port', DEFAULT_PORT)}")
+    return addresses
+
+
+def build_wheelhouse(out_dir: Path) -> Path:
+    """This project's wheel plus the R-worker's runtime dependencies, for hosts without PyPI."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip", "-q"]
+    req = REPO_ROOT / "deploy" / "ansible" / "roles" / "rworker" / "files" / "requirements.txt"
+    for cmd in ([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(out_dir), str(REPO_ROOT)],
+                [*pip, "download", "-d", str(out_dir), "-r", str(req)]):
+        print("+", " ".join(cmd), file=sys.stderr)
+        if subprocess.call(cmd) != 0:
+            raise FleetError(f"building the wheelhouse failed: {' '.join(cmd)}")
+    return out_dir
+
+
+def _run_ansible(cmd: list[str], capture: bool = False) -> str:
+    exe = Path(sys.executable).parent / cmd[0]
+    cmd = [str(exe) if exe.exists() else cmd[0], *cmd[1:]]
+    env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_RETRY_FILES_ENABLED": "0"}
+    try:
+        # The playbook's report goes to stderr: stdout carries only the addresses.
+        proc = subprocess.run(cmd, env=env, text=True, stdout=subprocess.PIPE if capture else sys.stderr)
+    except FileNotFoundError:
+        raise FleetError(f"{cmd[0]} not found: install Ansible (pip install ansible-core)") from None
+    if proc.returncode != 0:
+        raise FleetError(f"{' '.join(cmd[:2])} ... failed with status {proc.returncode}")
+    return proc.stdout or ""
+
+
+def ansible_rollout(inventory: str, run_dir: Path, state: str, extra_vars: dict, check: bool = False) -> list[str]:
+    if not Path(inventory).is_file():
+        raise FleetError(f"inventory {inventory} not found")
+    addresses = inventory_addresses(inventory)
+    cmd = ["ansible-playbook", "-i", inventory, str(PLAYBOOK),
+           "-e", json.dumps({"rworker_state": state, **extra_vars})]
+    _run_ansible(cmd + (["--check", "--diff"] if check else []))
+    if state == "started" and not check:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "addresses.txt").write_text(",".join(addresses) + "\n")
+    return addresses
+
+
+# ---- CLI
+
+def _cmd_start(args, rworker_args: list[str]) -> int:
+    run_dir = Path(args.run_dir)
+    if args.inventory:
+        # Settings given here override the inventory's for every host; the rest come from it.
+        extra = {"rworker_args": rworker_args} if rworker_args else {}
+        if args.kv_capacity is not None:
+            try:
+                extra["rworker_kv_capacity"] = parse_size(args.kv_capacity)
+            except ValueError as e:
+                raise FleetError(f"bad --kv-capacity: {e}") from None
+        if args.threads is not None:
+            if args.threads < 0:
+                raise FleetError(f"threads must be >= 0 (0 = all cores), got {args.threads}")
+            extra["rworker_threads"] = args.threads
+        if args.base_port:
+            extra["rworker_port"] = args.base_port
+        if not Path(args.inventory).is_file():
+            raise FleetError(f"inventory {args.inventory} not found")
+        wheelhouse = Path(args.wheelhouse) if args.wheelhouse else build_wheelhouse(run_dir / "wheelhouse")
+        extra["rworker_wheelhouse"] = str(wheelhouse.resolve())
+        addresses = ansible_rollout(args.inventory, run_dir, "started", extra, check=args.check)
+        print(",".join(addresses))
+        return 0
+    fleet = LocalFleet(args.n, run_dir, base_port=args.base_port, kv_capacity=args.kv_capacity or "1G",
+                       threads=args.threads or 0, host=args.host, rworker_args=rworker_args,
+                       start_timeout=args.timeout)
+    existing = LocalFleet.load(run_dir)
+    if existing is not None:
+        alive = [existing.alive(i) for i in range(existing.n)]
+        if all(alive):
+            if existing.n != args.n:
+                raise FleetError(f"{existing.n} R-workers already run in {run_dir}; stop them to start {args.n}")
+            print(f"R-workers already running: {','.join(existing.addresses)}", file=sys.stderr)
+            print(",".join(existing.addresses))
+            return 0
+        if any(alive):
+            if existing.n != args.n:
+                raise FleetError(f"{existing.n} R-workers are recorded in {run_dir}, some running; "
+                                 f"stop them to start {args.n}")
+            for i in (i for i, a in enumerate(alive) if not a):
+                print(f"R-worker {i} ({existing.addresses[i]}) is not running: restarting it", file=sys.stderr)
+                existing.restart(i)
+            print(",".join(existing.addresses))
+            return 0
+        existing.stop()                   # stale state of a dead fleet
+    fleet.start()
+    for i, w in enumerate(fleet.workers):
+        print(f"R-worker {i}: {w['address']} pid {w['pid']} log {fleet.log_path(i)}", file=sys.stderr)
+    print(",".join(fleet.addresses))
+    return 0
+
+
+def _cmd_stop(args) -> int:
+    run_dir = Path(args.run_dir)
+    if args.inventory:
+        ansible_rollout(args.inventory, run_dir, "stopped", {}, check=args.check)
+        (run_dir / "addresses.txt").unlink(missing_ok=True)
+        print("R-workers stopped on the inventory's hosts", file=sys.stderr)
+        return 0
+    fleet = LocalFleet.load(run_dir)
+    if fleet is None:
+        print(f"no R-worker fleet recorded in {run_dir}", file=sys.stderr)
+        return 0
+    fleet.stop_timeout = args.timeout
+    fleet.stop()
+    print(f"stopped {fleet.n} R-worker(s) in {run_dir}", file=sys.stderr)
+    return 0
+
+
+def _cmd_status(args) -> int:
+    fleet = LocalFleet.load(args.run_dir)
+    if fleet is None:
+        print(f"no R-worker fleet recorded in {args.run_dir}")
+        return 3
+    ok = True
+    for i, w in enumerate(fleet.workers):
+        running = fleet.alive(i)
+        state = health(w["address"]) if running else "NOT_RUNNING"
+        ok = ok and state in ("SERVING", "UNAUTHENTICATED")
+        print(f"worker {i}  {w['address']:<21}  pid {w['pid']:<8}  {state}")
+    return 0 if ok else 1
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {text!r}")
+    return int(text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rworker_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="python -m rworker.fleet", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    helps = {"start": "start the R-workers (local, or --inventory hosts); prints their addresses",
+             "stop": "stop them (SIGTERM drains, SIGKILL after --timeout)", "status": "health of each worker"}
+    for name in ("start", "stop", "status"):
+        s = sub.add_parser(name, help=helps[name], epilog="Arguments after `--` go to every `python -m rworker`."
+                           if name == "start" else None)
+        s.add_argument("--run-dir", required=True, help="pid files, logs, addresses.txt")
+        if name == "status":
+            continue
+        s.add_argument("--inventory", help="Ansible inventory: roll out to its [rworkers] hosts")
+        s.add_argument("--check", action="store_true", help="with --inventory: ansible-playbook --check")
+        s.add_argument("--timeout", type=float, default=60.0 if name == "start" else 10.0,
+                       help="seconds to wait for a worker to serve (start) or to drain (stop)")
+        if name == "start":
+            s.add_argument("--n", type=int, default=2, help="local R-workers (default 2); "
+                           "with --inventory, the hosts of its [rworkers] group")
+            s.add_argument("--base-port", type=_port, default=0, help="first port; 0 = free ports (default)")
+            s.add_argument("--kv-capacity", help="KV pool per worker, e.g. 512M, 4G (local default 1G)")
+            s.add_argument("--threads", type=int, help="kernel threads per worker; local default cores / n")
+            s.add_argument("--host", default="127.0.0.1", help="listen address of local workers")
+            s.add_argument("--wheelhouse", help="with --inventory: use these wheels instead of building them")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "start":
+            return _cmd_start(args, rworker_args)
+        if args.command == "stop":
+            return _cmd_stop(args)
+        return _cmd_status(args)
+    except FleetError as e:
+        print(f"rworker.fleet: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The R-worker gRPC server: service + health + token/TLS, and its drain-then-exit lifecycle."""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from rworker.auth import TokenInterceptor, server_credentials
+from rworker.proto import rworker_pb2_grpc as pb_grpc
+from rworker.service import RWorkerService, default_store_factory
+
+log = logging.getLogger("rworker")
+SERVICE_NAME = "fastdecode.rworker.RWorker"
+
+
+@dataclass
+class ServerOptions:
+    listen: str = "127.0.0.1:50061"
+    kv_capacity: int = 1 << 30
+    threads: int = 0
+    block_size: int = 16
+    token: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    max_message_bytes: int = 64 << 20
+    max_connections: int = 64
+    drain_timeout_s: float = 60.0
+
+
+class RWorkerServer:
+    def __init__(self, opts: ServerOptions, store_factory=default_store_factory) -> None:
+        self.opts = opts
+        self.service = RWorkerService(opts.kv_capacity, opts.threads, opts.block_size, store_factory)
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self.service.on_drain = lambda: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        # A stream holds one thread for its life; a few more serve Stats, Drain and health.
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=opts.max_connections + 8, thread_name_prefix="rpc"),
+            interceptors=[TokenInterceptor(opts.token)] if opts.token else [],
+            options=[("grpc.max_receive_message_length", opts.max_message_bytes),
+                     ("grpc.max_send_message_length", opts.max_message_bytes),
+                     ("grpc.so_reuseport", 0)],
+            maximum_concurrent_rpcs=opts.max_connections + 8)
+        pb_grpc.add_RWorkerServicer_to_server(self.service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if opts.tls_cert or opts.tls_key:
+            if not (opts.tls_cert and opts.tls_key):
+                raise ValueError("TLS needs both --tls-cert and --tls-key")
+            creds = server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)
+            port = self.server.add_secure_port(opts.listen, creds)
+        else:
+            if opts.tls_client_ca:
+                raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+            port = self.server.add_insecure_port(opts.listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {opts.listen}")
+        self.address = f"{opts.listen.rsplit(':', 1)[0]}:{port}"
+
+    def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def start(self) -> None:
+        self.server.start()
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def drain_and_stop(self) -> None:
+        """Refuse new sequences, wait for the open ones to close (bounded), then stop."""
+        self.service.drain()
+        deadline = time.monotonic() + self.opts.drain_timeout_s
+        while self.service.open_sequences() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = self.service.open_sequences()
+        if left:
+            log.warning("drain timeout: stopping with %d sequence(s) still open", left)
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace=1.0).wait()
+        log.info("stopped")
+
+
+def serve(opts: ServerOptions, store_factory=default_store_factory) -> int:
+    server = RWorkerServer(opts, store_factory)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    log.info("serving on %s (capacity %d bytes, threads %d, tls %s, token %s)", server.address,
+             opts.kv_capacity, opts.threads, bool(opts.tls_cert), bool(opts.token))
+    print(f"READY {server.address}", file=sys.stderr, flush=True)
+    while not stop.wait(1.0):
+        pass
+    log.info("SIGTERM: draining")
+    server.drain_and_stop()
+    return 0

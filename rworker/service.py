@@ -1,0 +1,289 @@
+"""The R-worker service: KV store + attention behind a gRPC stream.
+
+One KV store per process, shaped by the first client's Configure (the R-worker
+knows nothing of models). Every stream is a connection with its own namespace
+of sequence ids: a client's id s is stored as (connection << ID_BITS) | s, so two
+S-workers cannot collide, and a connection's sequences are freed when it ends.
+Calls into the store are serialised by one lock; the store parallelises inside.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from rworker.proto import rworker_pb2 as pb
+from rworker.proto import rworker_pb2_grpc as pb_grpc
+
+log = logging.getLogger("rworker")
+
+ID_BITS = 40                                 # client sequence ids: 0 <= id < 2**40
+WIRE_DTYPES = {"float16": np.float16, "float32": np.float32}
+KV_FORMATS = ("fp16", "int4")
+MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 4096, 4096, 1024
+OK = grpc.StatusCode.OK
+
+
+class CallError(Exception):
+    """A failed call: answered with `code` on the stream, which stays open."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def tensor_to_numpy(t: pb.Tensor, name: str) -> np.ndarray:
+    """Zero-copy view of a wire tensor; INVALID_ARGUMENT when it is malformed."""
+    dtype = WIRE_DTYPES.get(t.dtype)
+    if dtype is None:
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{name}: unknown dtype {t.dtype!r} (expected one of {sorted(WIRE_DTYPES)})")
+    shape = tuple(t.shape)
+    if any(n < 0 for n in shape):
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: negative dimension in shape {shape}")
+    expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if len(t.data) != expected:
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{name}: {len(t.data)} bytes for shape {shape} {t.dtype} (expected {expected})")
+    return np.frombuffer(t.data, dtype=dtype).reshape(shape)
+
+
+def numpy_to_tensor(a: np.ndarray, out: pb.Tensor) -> None:
+    out.data = a.tobytes()
+    out.shape[:] = a.shape
+    out.dtype = a.dtype.name
+
+
+def default_store_factory(**kwargs):
+    from fastdecode.kernels import KVStore
+    return KVStore(**kwargs)
+
+
+def _is_capacity_error(e: Exception) -> bool:
+    return type(e).__name__ == "KVCapacityError"
+
+
+class Connection:
+    _numbers = itertools.count(1)
+
+    def __init__(self, peer: str) -> None:
+        self.number = next(Connection._numbers)
+        self.base = self.number << ID_BITS
+        self.peer = peer
+        self.config: tuple | None = None
+        self.seqs: set[int] = set()          # client-side ids open on this connection
+
+
+class RWorkerService(pb_grpc.RWorkerServicer):
+    def __init__(self, capacity_bytes: int, threads: int = 0, block_size: int = 16,
+                 store_factory=default_store_factory) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.threads = threads
+        self.block_size = block_size
+        self.store_factory = store_factory
+        self.store = None
+        self.store_config: tuple | None = None
+        self.lock = threading.Lock()          # guards the store and the bookkeeping below
+        self.connections: dict[int, Connection] = {}
+        self.draining = threading.Event()
+        self.on_drain = lambda: None          # the server flips its health status here
+        self.busy_s = 0.0
+        self.calls = 0
+
+    # ---- stream -------------------------------------------------------------------------
+    def Session(self, request_iterator, context):
+        conn = Connection(context.peer())
+        with self.lock:
+            self.connections[conn.number] = conn
+        context.add_callback(lambda: self._release(conn))
+        log.info("connection %d from %s", conn.number, conn.peer)
+        try:
+            for req in request_iterator:
+                yield self._call(conn, req)
+        finally:
+            self._release(conn)
+
+    def _call(self, conn: Connection, req: pb.Request) -> pb.Reply:
+        reply = pb.Reply(call_id=req.call_id)
+        op = req.WhichOneof("op")
+        try:
+            if op == "decode":
+                self._decode(conn, req.decode, reply)
+            elif op == "prefill":
+                self._prefill(conn, req.prefill, reply)
+            elif op == "open":
+                self._open(conn, req.open)
+            elif op == "close":
+                self._close(conn, req.close)
+            elif op == "configure":
+                self._configure(conn, req.configure)
+            else:
+                raise CallError(grpc.StatusCode.INVALID_ARGUMENT, "request carries no operation")
+        except CallError as e:
+            reply.code, reply.message = e.code.value[0], str(e)
+        except KeyError as e:
+            reply.code, reply.message = grpc.StatusCode.NOT_FOUND.value[0], str(e.args[0] if e.args else e)
+        except ValueError as e:
+            reply.code, reply.message = grpc.StatusCode.INVALID_ARGUMENT.value[0], str(e)
+        except Exception as e:  # noqa: BLE001 -- every failure is answered, the stream lives on
+            if _is_capacity_error(e):
+                reply.code, reply.message = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], str(e)
+            else:
+                log.exception("call %d (%s) failed", req.call_id, op)
+                reply.code, reply.message = grpc.StatusCode.INTERNAL.value[0], f"{type(e).__name__}: {e}"
+        if reply.code:
+            log.debug("call %d (%s) -> %d %s", req.call_id, op, reply.code, reply.message)
+        return reply
+
+    def _release(self, conn: Connection) -> None:
+        with self.lock:
+            if self.connections.pop(conn.number, None) is None:
+                return
+            if conn.seqs and self.store is not None:
+                self.store.free(np.fromiter(conn.seqs, np.int64) + conn.base)
+            freed = len(conn.seqs)
+            conn.seqs.clear()
+        log.info("connection %d closed, %d sequence(s) freed", conn.number, freed)
+
+    # ---- operations ---------------------------------------------------------------------
+    def _configure(self, conn: Connection, c: pb.Configure) -> None:
+        if not (1 <= c.num_layers <= MAX_LAYERS and 1 <= c.num_kv_heads <= MAX_HEADS
+                and 1 <= c.head_dim <= MAX_HEAD_DIM):
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"bad KV shape: num_layers={c.num_layers} num_kv_heads={c.num_kv_heads} "
+                            f"head_dim={c.head_dim}")
+        if c.kv_format not in KV_FORMATS:
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"unknown kv_format {c.kv_format!r} (expected one of {KV_FORMATS})")
+        config = (c.num_layers, c.num_kv_heads, c.head_dim, c.kv_format)
+        with self.lock:
+            if conn.seqs and conn.config != config:
+                raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
+                                "cannot reconfigure a connection with open sequences")
+            if self.store_config != config:
+                if self.store is not None and self.store.stats()["sequences"] > 0:
+                    raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"this R-worker holds KV of shape {self.store_config}; "
+                                    f"cannot serve {config} until it is empty")
+                if self.store is not None and hasattr(self.store, "close"):
+                    self.store.close()          # free the old pool before allocating the new one
+                self.store = None
+                self.store = self.store_factory(
+                    num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                    capacity_bytes=self.capacity_bytes, block_size=self.block_size,
+                    kv_format=c.kv_format, num_threads=self.threads)
+                self.store_config = config
+                log.info("KV store: layers=%d kv_heads=%d head_dim=%d format=%s isa=%s", *config,
+                         getattr(self.store, "isa", "?"))
+            conn.config = config
+
+    def _ids(self, conn: Connection, seq_ids) -> np.ndarray:
+        if conn.config is None:
+            raise CallError(grpc.StatusCode.FAILED_PRECONDITION, "Configure must be the first call")
+        ids = np.asarray(seq_ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= 1 << ID_BITS):
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"sequence ids must be in [0, 2**{ID_BITS})")
+        return ids
+
+    def _open(self, conn: Connection, m: pb.Open) -> None:
+        ids = self._ids(conn, m.seq_ids)
+        if self.draining.is_set():
+            raise CallError(grpc.StatusCode.UNAVAILABLE, "R-worker is draining: no new sequences")
+        if len(set(m.seq_ids)) != len(m.seq_ids) or conn.seqs.intersection(m.seq_ids):
+            raise CallError(grpc.StatusCode.ALREADY_EXISTS,
+                            f"sequence id(s) already open: {sorted(conn.seqs.intersection(m.seq_ids))[:8]}")
+        with self.lock:
+            self.store.create(ids + conn.base)
+            conn.seqs.update(m.seq_ids)
+
+    def _close(self, conn: Connection, m: pb.Close) -> None:
+        ids = self._ids(conn, m.seq_ids)
+        with self.lock:
+            self.store.free(ids + conn.base)
+            conn.seqs.difference_update(m.seq_ids)
+
+    def _check_layer(self, conn: Connection, layer: int) -> None:
+        if not 0 <= layer < conn.config[0]:
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"layer {layer} out of range [0, {conn.config[0]})")
+
+    def _check_kv(self, conn: Connection, name: str, x: np.ndarray, rows: int) -> None:
+        want = (rows, conn.config[1], conn.config[2])
+        if x.shape != want:
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: shape {x.shape}, expected {want}")
+
+    def _prefill(self, conn: Connection, m: pb.Prefill, reply: pb.Reply) -> None:
+        ids = self._ids(conn, m.seq_ids)
+        self._check_layer(conn, m.layer)
+        lens = np.asarray(m.lens, dtype=np.int64)
+        if len(lens) != len(ids) or (lens.size and lens.min() < 0):
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, "prefill: need one length >= 0 per sequence")
+        k, v = tensor_to_numpy(m.k, "k"), tensor_to_numpy(m.v, "v")
+        total = int(lens.sum())
+        self._check_kv(conn, "k", k, total)
+        self._check_kv(conn, "v", v, total)
+        with self.lock:
+            t0 = time.perf_counter()
+            try:
+                self.store.append_span(m.layer, ids + conn.base, lens, k, v)
+            except KeyError:
+                raise self._not_found(conn, m.seq_ids) from None
+            reply.kernel_s = self._account(t0)
+
+    def _decode(self, conn: Connection, m: pb.Decode, reply: pb.Reply) -> None:
+        ids = self._ids(conn, m.seq_ids)
+        self._check_layer(conn, m.layer)
+        q, k, v = tensor_to_numpy(m.q, "q"), tensor_to_numpy(m.k, "k"), tensor_to_numpy(m.v, "v")
+        rows, hkv, dim = len(ids), conn.config[1], conn.config[2]
+        if q.ndim != 3 or q.shape[0] != rows or q.shape[2] != dim or q.shape[1] % hkv:
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"q: shape {q.shape}, expected ({rows}, a multiple of {hkv}, {dim})")
+        self._check_kv(conn, "k", k, rows)
+        self._check_kv(conn, "v", v, rows)
+        with self.lock:
+            t0 = time.perf_counter()
+            try:
+                o = self.store.decode(m.layer, ids + conn.base, q, k, v)
+            except KeyError:
+                raise self._not_found(conn, m.seq_ids) from None
+            reply.kernel_s = self._account(t0)
+        numpy_to_tensor(o if q.dtype == np.float32 else o.astype(q.dtype), reply.o)
+
+    @staticmethod
+    def _not_found(conn: Connection, seq_ids) -> CallError:
+        missing = [s for s in seq_ids if s not in conn.seqs]
+        return CallError(grpc.StatusCode.NOT_FOUND, f"unknown sequence id(s) {missing[:8]}")
+
+    def _account(self, t0: float) -> float:
+        dt = time.perf_counter() - t0
+        self.busy_s += dt
+        self.calls += 1
+        return dt
+
+    # ---- unary --------------------------------------------------------------------------
+    def Stats(self, request, context) -> pb.StatsReply:
+        with self.lock:
+            s = self.store.stats() if self.store is not None else {}
+            return pb.StatsReply(
+                sequences=s.get("sequences", 0), kv_tokens=s.get("kv_tokens", 0),
+                bytes_used=s.get("bytes_used", 0), capacity_bytes=s.get("capacity_bytes", self.capacity_bytes),
+                busy_s=self.busy_s, connections=len(self.connections), draining=self.draining.is_set(),
+                isa=getattr(self.store, "isa", ""), calls=self.calls)
+
+    def Drain(self, request, context) -> pb.DrainReply:
+        self.drain()
+        return pb.DrainReply(sequences=self.open_sequences())
+
+    def drain(self) -> None:
+        if not self.draining.is_set():
+            log.info("draining: new sequences are refused, open ones are served")
+        self.draining.set()
+        self.on_drain()
+
+    def open_sequences(self) -> int:
+        with self.lock:
+            return sum(len(c.seqs) for c in self.connections.values())

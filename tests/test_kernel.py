@@ -1,0 +1,344 @@
+"""The C++ KV store and decode-attention kernel against a float64 reference.
+
+fp16: relative L2 error <= 1e-3 against the reference on the fp16-rounded K, V.
+int4: exact to fp32 rounding against the reference on the dequantized cache
+(KVStore.read), and its error against the unquantized cache is reported.
+Every ISA path the CPU supports is forced in turn.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from fastdecode.attention.base import KVCapacityError
+from fastdecode.kernels import KVStore, cpu_supports
+
+
+def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """softmax(q K^T / sqrt(D)) V in float64; q [H, D], k/v [T, Hkv, D]; GQA by repeating kv heads."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    group = q.shape[0] // k.shape[1]
+    kk = np.repeat(k, group, axis=1).transpose(1, 0, 2)
+    vv = np.repeat(v, group, axis=1).transpose(1, 0, 2)
+    s = np.einsum("hd,htd->ht", q, kk) / np.sqrt(q.shape[1])
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return np.einsum("ht,htd->hd", p / p.sum(axis=-1, keepdims=True), vv)
+
+
+def rel(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_supports(isa), reason=f"CPU lacks {isa}"))
+        for isa in ("scalar", "avx2", "avx512")]
+FP16_TOL = 1e-3
+INT4_TOL = 2e-5  # fp32 rounding over sums of up to a few thousand terms
+BS = 16
+
+
+def make_store(hkv, d, fmt="fp16", isa="auto", layers=2, capacity=16 << 20, threads=2, block_size=BS):
+    return KVStore(layers, hkv, d, capacity, block_size=block_size, kv_format=fmt, num_threads=threads, isa=isa)
+
+
+def fill(store, rng, layer, ids, lens, scale=1.0):
+    hkv, d = store.num_kv_heads, store.head_dim
+    k = (rng.standard_normal((sum(lens), hkv, d)) * scale).astype(np.float32)
+    v = rng.standard_normal((sum(lens), hkv, d)).astype(np.float32)
+    store.append_span(layer, ids, lens, k, v)
+    offs = np.cumsum([0] + list(lens))
+    return [(k[offs[i]:offs[i + 1]], v[offs[i]:offs[i + 1]]) for i in range(len(ids))]
+
+
+def check_against_reference(store, ids, q, o, originals=None, layer=0):
+    """o[i] vs the reference on the cache as stored; returns int4-vs-unquantized errors."""
+    errs = []
+    for i, sid in enumerate(ids):
+        kc, vc = store.read(sid, layer)
+        tol = FP16_TOL if store.kv_format == "fp16" else INT4_TOL
+        assert rel(o[i], reference(q[i], kc, vc)) <= tol, (store.isa, sid, kc.shape)
+        if originals is not None:
+            k, v = originals[i]
+            if store.kv_format == "fp16":
+                np.testing.assert_array_equal(kc, k.astype(np.float16).astype(np.float32))
+                np.testing.assert_array_equal(vc, v.astype(np.float16).astype(np.float32))
+            else:
+                errs.append(rel(o[i], reference(q[i], k, v)))
+    return errs
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["fp16", "int4"])
+@pytest.mark.parametrize("group,hkv,d", [(1, 2, 64), (3, 3, 64), (4, 2, 128), (8, 1, 128), (4, 3, 32)])
+def test_matches_reference(isa, fmt, group, hkv, d):
+    rng = np.random.default_rng(group * 1000 + d)
+    store = make_store(hkv, d, fmt, isa)
+    assert store.isa == isa
+    ids = [11, 3, 7, 42, 5]
+    lens = [1, BS - 1, BS, BS + 1, 3 * BS + 5]
+    store.create(ids)
+    originals = fill(store, rng, 1, ids, lens, scale=2.0)
+    q = rng.standard_normal((len(ids), group * hkv, d)).astype(np.float32)
+    o = store.attend(1, ids, q)
+    assert o.dtype == np.float32 and o.shape == q.shape
+    errs = check_against_reference(store, ids, q, o, originals, layer=1)
+    if fmt == "int4":
+        print(f"int4 vs unquantized rel L2 ({isa}, G={group}, D={d}): max {max(errs):.3g}")
+        assert max(errs) < 0.25
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["fp16", "int4"])
+def test_long_context_4097(isa, fmt):
+    rng = np.random.default_rng(4097)
+    store = make_store(2, 64, fmt, isa)
+    store.create([1, 2])
+    originals = fill(store, rng, 0, [1, 2], [4097, 100])
+    q = rng.standard_normal((2, 8, 64)).astype(np.float32) * 3
+    errs = check_against_reference(store, [1, 2], q, store.attend(0, [1, 2], q), originals)
+    if fmt == "int4":
+        print(f"int4 vs unquantized rel L2 at 4097 tokens ({isa}): {errs}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["fp16", "int4"])
+def test_decode_steps_cross_blocks(isa, fmt):
+    """Prefill spans, then one-token decodes across block boundaries, each checked."""
+    rng = np.random.default_rng(7)
+    hkv, d, h = 2, 64, 8
+    store = make_store(hkv, d, fmt, isa)
+    ids = [0, 1, 2]
+    store.create(ids)
+    fill(store, rng, 0, ids, [BS - 2, 0, 2 * BS])
+    for step in range(4):
+        q = rng.standard_normal((3, h, d)).astype(np.float32)
+        k = rng.standard_normal((3, hkv, d)).astype(np.float32)
+        v = rng.standard_normal((3, hkv, d)).astype(np.float32)
+        o = store.decode(0, ids, q, k, v)
+        check_against_reference(store, ids, q, o)
+    assert [store.length(i, 0) for i in ids] == [BS + 2, 4, 2 * BS + 4]
+    assert store.length(0, 1) == 0
+
+
+def test_int4_quantization_error_bound():
+    """Each stored value is within half a quantization step (plus fp16 rounding of the params)."""
+    rng = np.random.default_rng(3)
+    store = make_store(2, 64, "int4")
+    store.create([9])
+    k = (rng.standard_normal((40, 2, 64)) * np.linspace(0.1, 10, 64)).astype(np.float32)
+    v = rng.standard_normal((40, 2, 64)).astype(np.float32) + 5
+    store.append_span(0, [9], [40], k, v)
+    kc, vc = store.read(9, 0)
+    for x, xc in ((k, kc), (v, vc)):
+        g = x.reshape(40, 2, 2, 32)
+        step = (g.max(-1, keepdims=True) - g.min(-1, keepdims=True)) / 15
+        err = np.abs(xc.reshape(g.shape) - g)
+        assert np.all(err <= step * 0.51 + 1e-3 * np.abs(g).max(-1, keepdims=True))
+
+
+def test_threads_give_identical_results():
+    rng = np.random.default_rng(5)
+    store = make_store(4, 64, threads=2)
+    ids = list(range(6))
+    store.create(ids)
+    fill(store, rng, 0, ids, [300, 1, 17, 600, 33, 250])
+    q = rng.standard_normal((6, 8, 64)).astype(np.float32)
+    o2 = store.attend(0, ids, q)
+    store.set_threads(1)
+    assert store.num_threads == 1
+    np.testing.assert_array_equal(store.attend(0, ids, q), o2)
+    check_against_reference(store, ids, q, o2)
+
+
+def test_torch_inputs_and_dtypes():
+    rng = np.random.default_rng(6)
+    store = make_store(2, 64)
+    store.create(torch.tensor([1, 2]))
+    k = torch.randn(10, 2, 64)
+    v = torch.randn(10, 2, 64)
+    store.append_span(0, torch.tensor([1, 2]), torch.tensor([4, 6]), k.half(), v.bfloat16())
+    kc, vc = store.read(2, 0)
+    np.testing.assert_array_equal(kc, k[4:].half().float().numpy())
+    np.testing.assert_array_equal(vc, v[4:].bfloat16().half().float().numpy())
+    q = torch.from_numpy(rng.standard_normal((2, 4, 64)).astype(np.float32))
+    o32 = store.attend(0, [1, 2], q)
+    o16 = store.attend(0, [1, 2], q.half())
+    check_against_reference(store, [1, 2], q.numpy(), o32)
+    check_against_reference(store, [1, 2], q.half().float().numpy(), o16)
+    o_nc = store.attend(0, [1, 2], q.transpose(0, 1).contiguous().transpose(0, 1))  # non-contiguous view
+    np.testing.assert_array_equal(o_nc, o32)
+
+
+def test_free_then_reuse_blocks():
+    rng = np.random.default_rng(8)
+    store = make_store(2, 64, capacity=40 * 2 * (16 * 64 * 2) * 2)  # 40 blocks: 2 kv heads x (K + V) x 16 x 64 fp16
+    total = store.stats()["blocks_total"]
+    assert total == 40
+    store.create([1, 2])
+    fill(store, rng, 0, [1, 2], [5 * BS, 3 * BS + 1])
+    fill(store, rng, 1, [1], [BS])
+    st = store.stats()
+    assert (st["sequences"], st["kv_tokens"], st["blocks_used"]) == (2, 8 * BS + 1, 10)
+    assert st["bytes_used"] == 10 * store.block_bytes
+    store.free([1, 999])  # unknown ids are ignored
+    assert store.stats()["blocks_used"] == 4 and not store.has(1) and store.has(2)
+    with pytest.raises(KeyError):
+        store.attend(0, [1], np.zeros((1, 2, 64), np.float32))
+    store.create([1])  # the id is free again
+    originals = fill(store, rng, 0, [1], [6 * BS])
+    q = rng.standard_normal((2, 4, 64)).astype(np.float32)
+    check_against_reference(store, [1], q[:1], store.attend(0, [1], q[:1]), originals)
+    assert store.stats()["blocks_used"] == 10 and store.stats()["blocks_total"] == total
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "int4"])
+def test_capacity_exhaustion_is_atomic(fmt):
+    rng = np.random.default_rng(9)
+    probe = make_store(2, 64, fmt, layers=1)
+    store = make_store(2, 64, fmt, layers=1, capacity=6 * probe.block_bytes)
+    assert store.stats()["blocks_total"] == 6
+    store.create([1, 2, 3])
+    fill(store, rng, 0, [1, 2, 3], [2 * BS, BS, 2 * BS])  # 5 of 6 blocks
+    before = [store.read(i, 0) for i in (1, 2, 3)]
+    k = rng.standard_normal((3, 2, 64)).astype(np.float32)
+    q = rng.standard_normal((3, 4, 64)).astype(np.float32)
+    with pytest.raises(KVCapacityError):  # needs 3 new blocks, 1 free
+        store.decode(0, [1, 2, 3], q, k, k)
+    with pytest.raises(KVCapacityError):
+        store.append_span(0, [2, 3], [1, 2 * BS], np.zeros((2 * BS + 1, 2, 64), np.float32),
+                          np.zeros((2 * BS + 1, 2, 64), np.float32))
+    for i, (kb, vb) in zip((1, 2, 3), before):
+        kc, vc = store.read(i, 0)
+        np.testing.assert_array_equal(kc, kb)
+        np.testing.assert_array_equal(vc, vb)
+    assert store.stats()["blocks_used"] == 5
+    store.decode(0, [1], q[:1], k[:1], k[:1])  # one block: fits
+    store.free([2])
+    o = store.decode(0, [1, 3], q[[0, 2]], k[[0, 2]], k[[0, 2]])
+    check_against_reference(store, [1, 3], q[[0, 2]], o)
+
+
+def test_garbage_input_is_rejected_and_harmless():
+    rng = np.random.default_rng(10)
+    store = make_store(2, 64, layers=2)
+    store.create([1, 2])
+    fill(store, rng, 0, [1, 2], [20, 5])
+    snapshot = [store.read(i, 0) for i in (1, 2)]
+    q = rng.standard_normal((2, 4, 64)).astype(np.float32)
+    good = store.attend(0, [1, 2], q)
+    kv = rng.standard_normal((2, 2, 64)).astype(np.float32)
+
+    def nan_at(a, idx, val=np.nan):
+        a = a.copy()
+        a[idx] = val
+        return a
+
+    bad_calls = [
+        (KeyError, lambda: store.attend(0, [1, 77], q)),
+        (KeyError, lambda: store.decode(0, [77, 1], q, kv, kv)),
+        (KeyError, lambda: store.length(77)),
+        (KeyError, lambda: store.read(77, 0)),
+        (ValueError, lambda: store.create([2])),
+        (ValueError, lambda: store.create([5, 5])),
+        (ValueError, lambda: store.attend(0, [1, 1], q)),
+        (ValueError, lambda: store.decode(0, [1, 1], q, kv, kv)),
+        (ValueError, lambda: store.attend(0, [1, 2], q[:, :3])),        # q heads not a multiple of Hkv
+        (ValueError, lambda: store.attend(0, [1, 2], q[:, :, :32])),    # head_dim
+        (ValueError, lambda: store.attend(0, [1], q)),                  # batch mismatch
+        (ValueError, lambda: store.attend(0, [1, 2], q[0])),            # rank
+        (ValueError, lambda: store.decode(0, [1, 2], q, kv[:, :1], kv[:, :1])),  # k heads != Hkv
+        (ValueError, lambda: store.decode(0, [1, 2], q, kv, kv[:, :, :63])),
+        (ValueError, lambda: store.attend(0, [1, 2], q.astype(np.float64))),
+        (ValueError, lambda: store.attend(0, [1, 2], q.astype(np.int32))),
+        (ValueError, lambda: store.append(0, [1, 2], kv.astype(np.int8), kv)),
+        (ValueError, lambda: store.attend(0, [1, 2], nan_at(q, (1, 2, 3)))),
+        (ValueError, lambda: store.attend(0, [1, 2], nan_at(q, (0, 0, 0), np.inf))),
+        (ValueError, lambda: store.decode(0, [1, 2], q, nan_at(kv, (1, 1, 1)), kv)),
+        (ValueError, lambda: store.decode(0, [1, 2], q, kv, nan_at(kv, (0, 1, 5), -np.inf))),
+        (ValueError, lambda: store.append(0, [1, 2], kv, nan_at(kv, (0, 0, 0), 1e6))),  # beyond fp16
+        (ValueError, lambda: store.append(0, [1, 2], nan_at(kv, (0, 0, 0)).astype(np.float16), kv)),
+        (ValueError, lambda: store.attend(2, [1, 2], q)),
+        (ValueError, lambda: store.attend(-1, [1, 2], q)),
+        (ValueError, lambda: store.append(5, [1, 2], kv, kv)),
+        (ValueError, lambda: store.length(1, 9)),
+        (ValueError, lambda: store.attend(1, [1], q[:1])),              # empty cache at layer 1
+        (ValueError, lambda: store.append_span(0, [1, 2], [1], kv, kv)),
+        (ValueError, lambda: store.append_span(0, [1, 2], [3, -1], kv, kv)),
+        (ValueError, lambda: store.append_span(0, [1, 2], [1, 2], kv, kv)),
+        (ValueError, lambda: store.append_span(0, [1, 2], [1, 1], kv, nan_at(kv, (1, 0, 0)))),
+        (ValueError, lambda: store.attend(0, [[1, 2]], q)),
+        (ValueError, lambda: store.attend(0, [1.5, 2], q)),
+        (ValueError, lambda: store.attend(0, [1, 2], q, scale=-1.0)),
+        (ValueError, lambda: store.attend(0, [1, 2], "not an array")),
+    ]
+    for exc, call in bad_calls:
+        with pytest.raises(exc):
+            call()
+        for i, (kb, vb) in zip((1, 2), snapshot):
+            kc, vc = store.read(i, 0)
+            assert kc.shape == kb.shape and np.array_equal(kc, kb) and np.array_equal(vc, vb)
+    np.testing.assert_array_equal(store.attend(0, [1, 2], q), good)
+    assert store.stats()["sequences"] == 2 and store.length(1, 1) == 0
+
+
+def test_bad_construction():
+    with pytest.raises(ValueError):
+        KVStore(1, 2, 64, 1 << 20, isa="sse9")
+    with pytest.raises(ValueError):
+        KVStore(1, 2, 64, 1 << 20, kv_format="int8")
+    with pytest.raises(ValueError):
+        KVStore(1, 2, 64, 100)  # less than one block
+    with pytest.raises(ValueError):
+        KVStore(0, 2, 64, 1 << 20)
+    with pytest.raises(ValueError):
+        KVStore(1, 2, 24, 1 << 20, kv_format="int4")  # int4 groups need head_dim % 16 == 0
+    for isa in ("avx2", "avx512"):
+        with pytest.raises(ValueError):
+            KVStore(1, 2, 24, 1 << 20, isa=isa)  # vector paths need head_dim % 16 == 0
+    odd = KVStore(1, 2, 24, 1 << 20, num_threads=1)  # odd head_dim: scalar path, still correct
+    assert odd.isa == "scalar"
+    rng = np.random.default_rng(11)
+    odd.create([0])
+    fill(odd, rng, 0, [0], [21])
+    q = rng.standard_normal((1, 6, 24)).astype(np.float32)
+    check_against_reference(odd, [0], q, odd.attend(0, [0], q))
+    odd.close()
+    with pytest.raises(ValueError):
+        odd.attend(0, [0], q)
+
+
+@pytest.mark.skipif(cpu_supports("avx512"), reason="only meaningful on a CPU without AVX-512")
+def test_unsupported_isa_raises():
+    with pytest.raises(ValueError):
+        KVStore(1, 2, 64, 1 << 20, isa="avx512")
+
+
+def test_concurrent_calls_are_safe():
+    """attend in one thread while another appends to and frees other sequences."""
+    rng = np.random.default_rng(12)
+    store = make_store(2, 64)
+    store.create([1])
+    originals = fill(store, rng, 0, [1], [500])
+    q = rng.standard_normal((1, 4, 64)).astype(np.float32)
+    want = store.attend(0, [1], q)
+    errors = []
+
+    def churn():
+        try:
+            r = np.random.default_rng(13)
+            for i in range(50):
+                store.create([100 + i])
+                fill(store, r, 0, [100 + i], [int(r.integers(1, 40))])
+                store.free([100 + i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    for _ in range(50):
+        np.testing.assert_array_equal(store.attend(0, [1], q), want)
+    t.join()
+    assert not errors
+    check_against_reference(store, [1], q, want, originals)

@@ -1,0 +1,125 @@
+"""LocalAttention (the C++ kernel behind AttentionBackend) against the plain-torch backend."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from fastdecode.attention import create_backend
+from fastdecode.attention.base import KVCapacityError, KVSpec
+from fastdecode.attention.local import LocalAttention
+from fastdecode.attention.torch_ref import TorchAttention
+from fastdecode.config import EngineConfig
+
+SPEC = KVSpec(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64)
+
+
+def backends(kv_format="fp16", capacity=8 << 20, spec=SPEC):
+    cfg = EngineConfig(kv_format=kv_format, kv_capacity_bytes=capacity, kv_block_size=16, kernel_threads=2)
+    return LocalAttention(spec, cfg), TorchAttention(spec)
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("kv_format,tol", [("fp16", 1e-3), ("int4", 0.3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_torch_backend(kv_format, tol, dtype):
+    torch.manual_seed(0)
+    local, ref = backends(kv_format)
+    ids, lens = [4, 9, 2], [5, 16, 33]
+    for be in (local, ref):
+        be.open(ids)
+    k = torch.randn(sum(lens), 2, 64, dtype=dtype)
+    v = torch.randn(sum(lens), 2, 64, dtype=dtype)
+    for layer in range(2):
+        for be in (local, ref):
+            be.prefill(layer, ids, lens, k, v)
+    worst = 0.0
+    for step in range(20):  # crosses block boundaries
+        q = torch.randn(3, 8, 64, dtype=dtype)
+        kn = torch.randn(3, 2, 64, dtype=dtype)
+        vn = torch.randn(3, 2, 64, dtype=dtype)
+        for layer in range(2):
+            fut = local.submit_decode(layer, ids, q, kn, vn)
+            assert isinstance(fut, Future)
+            got = fut.result(timeout=30)
+            want = ref.decode(layer, ids, q.float(), kn.float(), vn.float())
+            assert got.dtype == torch.float32 and got.shape == (3, 8, 64)
+            worst = max(worst, rel(got, want))
+    print(f"LocalAttention {kv_format} {dtype}: max rel L2 vs torch fp32 reference {worst:.3g}")
+    assert worst <= tol
+    st = local.stats()
+    assert st["sequences"] == 3 and st["kv_tokens"] == sum(lens) + 3 * 20
+    assert 0 < st["kv_bytes"] <= st["capacity_bytes"] == 8 << 20
+    local.close([4])
+    local.close([4, 12345])  # idempotent
+    assert local.stats()["sequences"] == 2
+    local.shutdown()
+
+
+def test_create_backend_picks_local():
+    be = create_backend(EngineConfig(attention="local", kv_capacity_bytes=1 << 20), SPEC)
+    assert isinstance(be, LocalAttention)
+    be.shutdown()
+
+
+def test_errors_map_to_base_exceptions():
+    local, _ = backends(capacity=4 * 2 * (16 * 64 * 2) * 2)  # 4 blocks: 2 kv heads x (K + V) x 16 tokens x 64 fp16
+    local.open([1, 2])
+    k = torch.randn(40, 2, 64)
+    local.prefill(0, [1, 2], [20, 20], k, k)  # 4 blocks
+    q, kv = torch.randn(2, 8, 64), torch.randn(2, 2, 64)
+    with pytest.raises(KVCapacityError):
+        local.decode(1, [1, 2], q, kv, kv)
+    with pytest.raises(KVCapacityError):
+        local.prefill(1, [1], [1], kv[:1], kv[:1])
+    with pytest.raises(KeyError):
+        local.submit_decode(0, [1, 3], q, kv, kv)
+    with pytest.raises(ValueError):
+        local.submit_decode(0, [1, 2], q[:, :5], kv, kv)
+    with pytest.raises(ValueError):
+        local.submit_decode(0, [1, 2], q, kv[:, :1], kv[:, :1])
+    with pytest.raises(ValueError):
+        local.submit_decode(2, [1, 2], q, kv, kv)
+    with pytest.raises(ValueError):
+        local.submit_decode(0, [1, 1], q, kv, kv)
+    with pytest.raises(ValueError):
+        local.submit_decode(0, [1, 2], q.double(), kv, kv)
+    with pytest.raises(ValueError):
+        local.decode(0, [1, 2], q * float("nan"), kv, kv)
+    with pytest.raises(ValueError):
+        local.prefill(0, [1], [3], kv, kv)
+    with pytest.raises(ValueError):
+        local.open([1])
+    assert local.store.length(1, 0) == 20 and local.store.length(1, 1) == 0
+    local.close([2])
+    out = local.decode(0, [1], q[:1], kv[:1], kv[:1])  # capacity freed by close
+    assert torch.isfinite(out).all() and local.store.length(1, 0) == 21
+    local.shutdown()
+
+
+def test_decode_runs_off_the_callers_thread_without_the_gil():
+    spec = KVSpec(num_layers=1, num_heads=32, num_kv_heads=8, head_dim=128)
+    local, _ = backends(capacity=256 << 20, spec=spec)
+    ids = list(range(16))
+    local.open(ids)
+    k = torch.randn(16 * 1024, 8, 128, dtype=torch.float16)
+    local.prefill(0, ids, [1024] * 16, k, k)
+    q, kv = torch.randn(16, 32, 128), torch.randn(16, 8, 128)
+    local.decode(0, ids, q, kv, kv)  # warm up
+    t0 = time.perf_counter()
+    fut = local.submit_decode(0, ids, q, kv, kv)
+    submit_s = time.perf_counter() - t0
+    spins = 0
+    while not fut.done():
+        spins += 1  # the Python thread keeps running while the kernel works
+    total_s = time.perf_counter() - t0
+    assert fut.result().shape == (16, 32, 128)
+    assert threading.current_thread() is threading.main_thread()
+    assert submit_s < total_s / 2 and spins > 100, (submit_s, total_s, spins)
+    local.shutdown()

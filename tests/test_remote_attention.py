@@ -1,0 +1,245 @@
+"""RemoteAttention against real R-worker processes, compared with the plain-torch reference."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from fastdecode.attention.base import AttentionError, KVCapacityError, KVSpec, SequencesLost
+from fastdecode.attention.remote import RemoteAttention
+from fastdecode.attention.torch_ref import TorchAttention
+from fastdecode.config import EngineConfig
+from rworker.testing import local_fleet, self_signed_cert
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    with local_fleet(3, tmp_path_factory.mktemp("fleet"), kv_capacity="8M") as f:
+        yield f
+
+
+def remote(spec: KVSpec, addresses, **kw) -> RemoteAttention:
+    return RemoteAttention(spec, EngineConfig(attention="remote", rworkers=tuple(addresses), **kw))
+
+
+def fp16(x: torch.Tensor) -> torch.Tensor:
+    """The KV store keeps fp16: give the reference the same values."""
+    return x.half().float()
+
+
+def run_both(spec, backend, ref, seq_ids, prompt_lens, steps, gen, dtype=torch.float32):
+    backend.open(seq_ids)
+    ref.open(seq_ids)
+    for layer in range(spec.num_layers):
+        n = sum(prompt_lens)
+        k = fp16(torch.randn(n, spec.num_kv_heads, spec.head_dim, generator=gen))
+        v = fp16(torch.randn(n, spec.num_kv_heads, spec.head_dim, generator=gen))
+        backend.prefill(layer, seq_ids, prompt_lens, k.to(dtype), v.to(dtype))
+        ref.prefill(layer, seq_ids, prompt_lens, k.to(dtype).float(), v.to(dtype).float())
+    worst = 0.0
+    b = len(seq_ids)
+    for _ in range(steps):
+        futures = []
+        for layer in range(spec.num_layers):
+            q = torch.randn(b, spec.num_heads, spec.head_dim, generator=gen).to(dtype)
+            k = fp16(torch.randn(b, spec.num_kv_heads, spec.head_dim, generator=gen))
+            v = fp16(torch.randn(b, spec.num_kv_heads, spec.head_dim, generator=gen))
+            futures.append((backend.submit_decode(layer, seq_ids, q, k.to(dtype), v.to(dtype)),
+                            ref.decode(layer, seq_ids, q.float(), k.to(dtype).float(), v.to(dtype).float())))
+        for fut, want in futures:
+            got = fut.result(timeout=30)
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            worst = max(worst, (got - want).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("workers,shards,spec", [
+    (1, 1, KVSpec(2, 4, 2, 16)),
+    (2, 1, KVSpec(2, 4, 2, 16)),
+    (3, 1, KVSpec(3, 8, 2, 32)),       # GQA 4:1
+    (2, 2, KVSpec(2, 4, 2, 16)),       # head shards: one kv head each
+    (3, 3, KVSpec(2, 6, 3, 16)),
+    (2, 2, KVSpec(2, 6, 3, 16)),       # uneven shards: 1 + 2 kv heads
+], ids=["1w", "2w", "3w-gqa", "2w-shard2", "3w-shard3", "2w-shard-uneven"])
+def test_matches_reference(fleet, workers, shards, spec):
+    gen = torch.Generator().manual_seed(workers * 10 + shards)
+    backend = remote(spec, fleet.addresses[:workers], head_shards=shards)
+    try:
+        seq_ids = [3, 10, 11, 40, 41, 42, 1 << 30]
+        lens = [1, 5, 17, 2, 9, 33, 4]
+        worst = run_both(spec, backend, TorchAttention(spec), seq_ids, lens, steps=3, gen=gen)
+        assert worst < 1e-5
+        st = backend.stats()
+        assert st["sequences"] == len(seq_ids)
+        assert st["kv_tokens"] == sum(lens) + 3 * len(seq_ids)
+        assert len(st["workers"]) == workers and all(w["up"] for w in st["workers"])
+        if shards == 1 and workers > 1:   # placement spread the batch over every worker
+            assert all(w["sequences"] > 0 for w in st["workers"])
+        assert sum(w["sequences"] for w in st["workers"]) == len(seq_ids) * shards
+        assert st["decode_calls"] == 3 * spec.num_layers and st["decode_kernel_s"] > 0
+    finally:
+        backend.shutdown()
+
+
+def test_fp16_and_bf16_inputs(fleet):
+    spec = KVSpec(2, 4, 2, 16)
+    for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 1e-5)):
+        gen = torch.Generator().manual_seed(7)
+        backend = remote(spec, fleet.addresses[:2])
+        try:
+            # the reference gets q in the same precision (bf16/fp16 values), k, v already fp16
+            worst = run_both(spec, backend, TorchAttention(spec), [1, 2, 3], [4, 1, 6], steps=2, gen=gen,
+                             dtype=dtype)
+            assert worst < tol, (dtype, worst)
+        finally:
+            backend.shutdown()
+
+
+def test_errors_and_close_frees(fleet):
+    spec = KVSpec(2, 4, 2, 16)
+    backend = remote(spec, fleet.addresses[:2])
+    try:
+        backend.open([1, 2])
+        with pytest.raises(ValueError, match="already open"):
+            backend.open([2])
+        q, kv = torch.zeros(1, 4, 16), torch.zeros(1, 2, 16)
+        with pytest.raises(KeyError):
+            backend.submit_decode(0, [99], q, kv, kv)
+        with pytest.raises(ValueError):
+            backend.submit_decode(0, [1], torch.zeros(1, 5, 16), kv, kv)
+        with pytest.raises(ValueError):
+            backend.submit_decode(2, [1], q, kv, kv)
+        with pytest.raises(ValueError):
+            backend.prefill(0, [1], [3], torch.zeros(2, 2, 16), torch.zeros(2, 2, 16))
+        with pytest.raises(ValueError, match="NaN"):
+            backend.submit_decode(0, [1], q, torch.full((1, 2, 16), float("nan")), kv)
+        backend.decode(0, [1], q, kv, kv)       # still fine afterwards
+        backend.close([1, 2, 77])               # unknown ids ignored
+        assert backend.stats()["sequences"] == 0
+        with pytest.raises(KeyError):
+            backend.decode(0, [1], q, kv, kv)
+        backend.open([1])                       # a closed id can be opened again
+    finally:
+        backend.shutdown()
+
+
+def test_over_capacity_raises_kv_capacity_error(tmp_path):
+    spec = KVSpec(2, 4, 2, 16)
+    with local_fleet(1, tmp_path, kv_capacity="1M") as small:
+        backend = remote(spec, small.addresses)
+        try:
+            backend.open([1, 2])
+            big = torch.zeros(10000, 2, 16)       # 1 MiB holds < 10000 tokens of one layer of this shape
+            with pytest.raises(KVCapacityError):
+                backend.prefill(0, [1], [10000], big, big)
+            backend.prefill(0, [2], [10], big[:10], big[:10])
+            backend.decode(0, [2], torch.zeros(1, 4, 16), big[:1], big[:1])
+        finally:
+            backend.shutdown()
+
+
+def test_large_prefill_is_split_into_messages(fleet, monkeypatch):
+    import fastdecode.attention.remote as remote_mod
+
+    monkeypatch.setattr(remote_mod, "MAX_MESSAGE_BYTES", 4096)   # ~32 tokens per message here
+    spec = KVSpec(2, 4, 2, 16)
+    gen = torch.Generator().manual_seed(3)
+    backend = remote(spec, fleet.addresses[:2])
+    try:
+        worst = run_both(spec, backend, TorchAttention(spec), [1, 2, 3], [100, 3, 70], steps=2, gen=gen)
+        assert worst < 1e-5
+    finally:
+        backend.shutdown()
+
+
+def test_connection_end_frees_server_side(fleet):
+    import grpc
+
+    from rworker.proto import rworker_pb2 as pb
+    from rworker.proto import rworker_pb2_grpc as pb_grpc
+
+    def server_sequences():
+        total = 0
+        for a in fleet.addresses[:2]:
+            with grpc.insecure_channel(a) as ch:
+                total += pb_grpc.RWorkerStub(ch).Stats(pb.StatsRequest(), timeout=5).sequences
+        return total
+
+    spec = KVSpec(2, 4, 2, 16)
+    before = server_sequences()
+    backend = remote(spec, fleet.addresses[:2])
+    backend.open(list(range(10)))
+    assert server_sequences() == before + 10
+    backend.shutdown()        # without closing: the streams end and the workers free them
+    deadline = time.monotonic() + 5
+    while server_sequences() != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server_sequences() == before
+
+
+def test_config_errors(fleet):
+    spec = KVSpec(2, 4, 2, 16)
+    with pytest.raises(ValueError, match="head_shards"):
+        remote(spec, fleet.addresses[:3], head_shards=2)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        remote(KVSpec(2, 4, 1, 16), fleet.addresses[:2], head_shards=2)
+    with pytest.raises(AttentionError, match="no R-worker"):
+        remote(spec, ("127.0.0.1:1",), rworker_timeout_s=1.0)
+
+
+def test_unreachable_worker_is_skipped_then_used_when_it_returns(tmp_path):
+    """One address is dead at start: the backend runs on the other; when the worker comes
+    up on that address, it is reconnected and new sequences go there (least load)."""
+    from rworker.fleet import free_port
+
+    spec = KVSpec(2, 4, 2, 16)
+    port = free_port("127.0.0.1")
+    with local_fleet(1, tmp_path / "a") as a:
+        backend = remote(spec, (a.addresses[0], f"127.0.0.1:{port}"), rworker_timeout_s=2.0)
+        try:
+            backend.open([1, 2])
+            st = backend.stats()["workers"]
+            assert [w["up"] for w in st] == [True, False] and st[0]["sequences"] == 2
+            with local_fleet(1, tmp_path / "b", base_port=port) as b:
+                assert b.addresses[0] == f"127.0.0.1:{port}"
+                deadline = time.monotonic() + 10
+                while not backend.stats()["workers"][1]["up"] and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert backend.stats()["workers"][1]["up"]
+                backend.open([3, 4])
+                st = backend.stats()["workers"]
+                assert st[1]["sequences"] == 2
+                gen = torch.Generator().manual_seed(0)
+                ref = TorchAttention(spec)
+                worst = run_both(spec, backend, ref, [5, 6], [3, 3], steps=1, gen=gen)
+                assert worst < 1e-5
+        finally:
+            backend.shutdown()
+
+
+def test_token_and_tls(tmp_path):
+    pytest.importorskip("cryptography", reason="needs the cryptography package to make a test certificate")
+    spec = KVSpec(2, 4, 2, 16)
+    ca, ca_key = self_signed_cert(tmp_path, "ca")
+    server, server_key = self_signed_cert(tmp_path, "server", ca=(ca, ca_key))
+    client, client_key = self_signed_cert(tmp_path, "client", ca=(ca, ca_key))
+    args = ("--token", "tok", "--tls-cert", str(server), "--tls-key", str(server_key), "--tls-client-ca", str(ca))
+    with local_fleet(1, tmp_path / "w", extra_args=args) as f:
+        good = dict(rworker_token="tok", rworker_tls_ca=str(ca), rworker_tls_cert=str(client),
+                    rworker_tls_key=str(client_key), rworker_timeout_s=3.0)
+        backend = remote(spec, f.addresses, **good)
+        try:
+            gen = torch.Generator().manual_seed(0)
+            assert run_both(spec, backend, TorchAttention(spec), [1], [4], steps=1, gen=gen) < 1e-5
+        finally:
+            backend.shutdown()
+        bad = [dict(good, rworker_token="nope"),                        # wrong token
+               dict(good, rworker_token=""),                            # missing token
+               dict(good, rworker_tls_cert="", rworker_tls_key=""),     # no client cert (mTLS)
+               dict(rworker_token="tok", rworker_timeout_s=3.0)]        # plaintext to a TLS port
+        for kw in bad:
+            with pytest.raises(AttentionError, match="no R-worker group reachable") as e:
+                remote(spec, f.addresses, **kw)
+            if kw.get("rworker_tls_cert") and kw["rworker_token"] != "tok":
+                assert "UNAUTHENTICATED" in str(e.value)

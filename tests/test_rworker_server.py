@@ -1,0 +1,258 @@
+"""The R-worker server on the wire: real `python -m rworker` processes, raw stream clients.
+
+Bad input gets the right status code, per call on the stream (which stays open) or as
+the stream's status; the server keeps serving other clients with their caches intact;
+a client's sequences are freed when its stream ends; SIGTERM drains then exits 0.
+"""
+from __future__ import annotations
+
+import queue
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rworker.auth import bearer
+from rworker.proto import rworker_pb2 as pb
+from rworker.proto import rworker_pb2_grpc as pb_grpc
+from rworker.testing import Spawned, local_fleet
+
+C = grpc.StatusCode
+LAYERS, HKV, H, D = 2, 2, 4, 16
+
+
+def tensor(a: np.ndarray) -> pb.Tensor:
+    return pb.Tensor(data=a.tobytes(), shape=a.shape, dtype=a.dtype.name)
+
+
+def reference(q, ks, vs):
+    """o [H, D] of one sequence over its cached ks, vs [T, Hkv, D] (fp16-rounded)."""
+    kk = np.repeat(ks.astype(np.float32), H // HKV, axis=1)
+    vv = np.repeat(vs.astype(np.float32), H // HKV, axis=1)
+    s = np.einsum("hd,thd->ht", q, kk) / np.sqrt(D)
+    p = np.exp(s - s.max(1, keepdims=True))
+    return np.einsum("ht,thd->hd", p / p.sum(1, keepdims=True), vv)
+
+
+class RawClient:
+    """One Session stream; call() sends one request and waits for its reply."""
+
+    def __init__(self, address: str, token: str = "", configure: bool = True, max_send: int = -1) -> None:
+        self.channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", max_send)])
+        self.stub = pb_grpc.RWorkerStub(self.channel)
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.replies = self.stub.Session(iter(self.requests.get, None), metadata=bearer(token))
+        self.next_id = 0
+        if configure:
+            assert self.call(configure=pb.Configure(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D,
+                                                    kv_format="fp16")).code == 0
+
+    def call(self, **op) -> pb.Reply:
+        self.next_id += 1
+        self.requests.put(pb.Request(call_id=self.next_id, **op))
+        reply = next(self.replies)
+        assert reply.call_id == self.next_id
+        return reply
+
+    def close(self) -> None:
+        self.requests.put(None)
+        self.channel.close()
+
+
+def code(reply: pb.Reply) -> grpc.StatusCode:
+    return next(c for c in grpc.StatusCode if c.value[0] == reply.code)
+
+
+def stats(address: str, token: str = "") -> pb.StatsReply:
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.RWorkerStub(ch).Stats(pb.StatsRequest(), timeout=5, metadata=bearer(token))
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    # Small pool and message limit so "over capacity" and "oversized" are cheap to reach.
+    with local_fleet(1, tmp_path_factory.mktemp("rw"), kv_capacity="2M",
+                     extra_args=("--max-message-size", "4M")) as fleet:
+        yield fleet.addresses[0]
+
+
+class Seq:
+    """A client-side copy of one sequence's KV (fp16), to check the server's answers."""
+
+    def __init__(self, rng, prompt: int) -> None:
+        self.k = [rng.standard_normal((prompt, HKV, D)).astype(np.float16) for _ in range(LAYERS)]
+        self.v = [rng.standard_normal((prompt, HKV, D)).astype(np.float16) for _ in range(LAYERS)]
+
+
+def prefill(client: RawClient, ids, seqs) -> None:
+    for layer in range(LAYERS):
+        k = np.concatenate([s.k[layer] for s in seqs])
+        v = np.concatenate([s.v[layer] for s in seqs])
+        r = client.call(prefill=pb.Prefill(layer=layer, seq_ids=ids, lens=[len(s.k[layer]) for s in seqs],
+                                           k=tensor(k), v=tensor(v)))
+        assert r.code == 0, r.message
+
+
+def decode_and_check(client: RawClient, ids, seqs, rng, layer: int = 0) -> None:
+    q = rng.standard_normal((len(ids), H, D)).astype(np.float32)
+    k = rng.standard_normal((len(ids), HKV, D)).astype(np.float16)
+    v = rng.standard_normal((len(ids), HKV, D)).astype(np.float16)
+    r = client.call(decode=pb.Decode(layer=layer, seq_ids=ids, q=tensor(q), k=tensor(k), v=tensor(v)))
+    assert r.code == 0, r.message
+    o = np.frombuffer(r.o.data, np.float32).reshape(tuple(r.o.shape))
+    for i, s in enumerate(seqs):
+        s.k[layer] = np.concatenate([s.k[layer], k[i:i + 1]])
+        s.v[layer] = np.concatenate([s.v[layer], v[i:i + 1]])
+        np.testing.assert_allclose(o[i], reference(q[i], s.k[layer], s.v[layer]), rtol=1e-4, atol=1e-5)
+    assert r.kernel_s > 0
+
+
+def test_bad_input_gets_status_and_others_keep_their_cache(worker):
+    rng = np.random.default_rng(0)
+    bystander = RawClient(worker)
+    bystander_seqs = [Seq(rng, 5), Seq(rng, 3)]
+    assert bystander.call(open=pb.Open(seq_ids=[1, 2])).code == 0
+    prefill(bystander, [1, 2], bystander_seqs)
+    decode_and_check(bystander, [1, 2], bystander_seqs, rng)
+
+    bad = RawClient(worker, configure=False)
+    assert code(bad.call(open=pb.Open(seq_ids=[1]))) == C.FAILED_PRECONDITION        # not configured
+    assert code(bad.call(configure=pb.Configure(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D,
+                                                kv_format="fp8"))) == C.INVALID_ARGUMENT
+    assert code(bad.call(configure=pb.Configure(num_layers=0, num_kv_heads=HKV, head_dim=D,
+                                                kv_format="fp16"))) == C.INVALID_ARGUMENT
+    assert code(bad.call(configure=pb.Configure(num_layers=LAYERS + 1, num_kv_heads=HKV, head_dim=D,
+                                                kv_format="fp16"))) == C.FAILED_PRECONDITION  # worker busy
+    assert bad.call(configure=pb.Configure(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D,
+                                           kv_format="fp16")).code == 0
+    assert code(bad.call()) == C.INVALID_ARGUMENT                                      # no operation
+    # The same ids as the bystander's: namespaced per connection, no collision.
+    assert bad.call(open=pb.Open(seq_ids=[1, 2])).code == 0
+    assert code(bad.call(open=pb.Open(seq_ids=[2]))) == C.ALREADY_EXISTS
+    assert code(bad.call(open=pb.Open(seq_ids=[-1]))) == C.INVALID_ARGUMENT
+    assert code(bad.call(open=pb.Open(seq_ids=[1 << 41]))) == C.INVALID_ARGUMENT
+
+    q = rng.standard_normal((1, H, D)).astype(np.float32)
+    kv = rng.standard_normal((1, HKV, D)).astype(np.float16)
+
+    def dec(ids=(1,), q=tensor(q), k=tensor(kv), v=tensor(kv), layer=0):
+        return bad.call(decode=pb.Decode(layer=layer, seq_ids=list(ids), q=q, k=k, v=v))
+
+    short = pb.Tensor(data=kv.tobytes()[:-2], shape=kv.shape, dtype="float16")
+    assert code(dec(k=short)) == C.INVALID_ARGUMENT                                    # wrong byte length
+    r = dec(q=pb.Tensor(data=q.tobytes(), shape=q.shape, dtype="complex64"))
+    assert code(r) == C.INVALID_ARGUMENT and "dtype" in r.message                     # unknown dtype
+    assert code(dec(k=tensor(np.zeros((1, HKV + 1, D), np.float16)))) == C.INVALID_ARGUMENT  # shape
+    assert code(dec(q=tensor(np.zeros((1, 3, D), np.float32)))) == C.INVALID_ARGUMENT  # H not multiple
+    assert code(dec(ids=(1, 2))) == C.INVALID_ARGUMENT                                # rows != ids
+    assert code(dec(layer=LAYERS)) == C.INVALID_ARGUMENT                               # layer range
+    assert code(dec(k=tensor(np.full((1, HKV, D), np.nan, np.float16)))) == C.INVALID_ARGUMENT
+    r = dec(ids=(7,))
+    assert code(r) == C.NOT_FOUND and "7" in r.message                                 # unknown sequence
+    assert code(bad.call(prefill=pb.Prefill(layer=0, seq_ids=[1], lens=[3], k=tensor(kv), v=tensor(kv)))) \
+        == C.INVALID_ARGUMENT                                                          # lens vs rows
+    # Over capacity: 2 MiB hold ~8k tokens of this shape; nothing of the failed call is kept.
+    big = np.zeros((20000, HKV, D), np.float16)
+    r = bad.call(prefill=pb.Prefill(layer=0, seq_ids=[2], lens=[20000], k=tensor(big), v=tensor(big)))
+    assert code(r) == C.RESOURCE_EXHAUSTED, r.message
+    assert dec().code == 0                                                             # stream still works
+
+    # The bystander's cache is intact and it keeps decoding correctly.
+    decode_and_check(bystander, [1, 2], bystander_seqs, rng, layer=1)
+    before = stats(worker).sequences
+    bad.close()   # its stream ends: its 2 sequences are freed, the bystander's stay
+    deadline = time.monotonic() + 5
+    while stats(worker).sequences != before - 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stats(worker).sequences == before - 2
+    decode_and_check(bystander, [1, 2], bystander_seqs, rng)
+    assert bystander.call(close=pb.Close(seq_ids=[1, 2, 99])).code == 0                # unknown ids ignored
+    bystander.close()
+
+
+def test_oversized_message_ends_only_that_stream(worker):
+    rng = np.random.default_rng(1)
+    bystander = RawClient(worker)
+    seqs = [Seq(rng, 4)]
+    assert bystander.call(open=pb.Open(seq_ids=[3])).code == 0
+    prefill(bystander, [3], seqs)
+
+    bad = RawClient(worker)
+    assert bad.call(open=pb.Open(seq_ids=[3])).code == 0
+    big = np.zeros((70000, HKV, D), np.float16)                                       # 4.5 MB > 4 MiB limit
+    with pytest.raises(grpc.RpcError) as e:
+        bad.call(prefill=pb.Prefill(layer=0, seq_ids=[3], lens=[70000], k=tensor(big), v=tensor(big)))
+    assert e.value.code() == C.RESOURCE_EXHAUSTED
+    decode_and_check(bystander, [3], seqs, rng)
+    deadline = time.monotonic() + 5
+    while stats(worker).connections != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stats(worker).sequences == 1                                                # bad's seq freed
+    bystander.close()
+
+
+def test_token_is_checked_on_every_call(tmp_path):
+    with local_fleet(1, tmp_path, extra_args=("--token", "s3cret")) as fleet:
+        address = fleet.addresses[0]
+        for token in ("", "wrong"):
+            with pytest.raises(grpc.RpcError) as e:
+                stats(address, token)
+            assert e.value.code() == C.UNAUTHENTICATED
+            client = RawClient(address, token=token, configure=False)
+            with pytest.raises(grpc.RpcError) as e:
+                client.call(open=pb.Open(seq_ids=[1]))
+            assert e.value.code() == C.UNAUTHENTICATED
+            assert "token" in e.value.details()
+            client.close()
+        assert stats(address, "s3cret").sequences == 0
+        client = RawClient(address, token="s3cret")
+        assert client.call(open=pb.Open(seq_ids=[1])).code == 0
+        client.close()
+        with grpc.insecure_channel(address) as ch:   # health stays open to probes without the secret
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_token_file_and_bad_cli_arguments(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "empty").write_text("\n")
+    for args in (["--token-file", str(tmp_path / "empty")], ["--kv-capacity", "lots"], ["--threads", "-1"],
+                 ["--tls-client-ca", str(tmp_path / "empty")], ["--tls-cert", str(tmp_path / "missing.crt")]):
+        p = subprocess.run([sys.executable, "-m", "rworker", "--listen", "127.0.0.1:0", "--store", "numpy", *args],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode != 0, args
+        assert "READY" not in p.stderr
+    (tmp_path / "tok").write_text("filetoken\n")
+    with Spawned(["--token-file", str(tmp_path / "tok")], tmp_path / "w.log") as w:
+        assert stats(w.address, "filetoken").sequences == 0
+
+
+def test_sigterm_drains_then_exits_zero(tmp_path):
+    w = Spawned([], tmp_path / "w.log")
+    try:
+        client = RawClient(w.address)
+        rng = np.random.default_rng(2)
+        seqs = [Seq(rng, 2)]
+        assert client.call(open=pb.Open(seq_ids=[1])).code == 0
+        prefill(client, [1], seqs)
+        w.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not stats(w.address).draining and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = client.call(open=pb.Open(seq_ids=[2]))
+        assert code(r) == C.UNAVAILABLE and "draining" in r.message                   # no new sequences
+        with grpc.insecure_channel(w.address) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        decode_and_check(client, [1], seqs, rng)                                       # open ones served
+        assert w.proc.poll() is None
+        assert client.call(close=pb.Close(seq_ids=[1])).code == 0
+        assert w.proc.wait(timeout=15) == 0
+        client.close()
+    finally:
+        w.stop()

@@ -1,0 +1,323 @@
+"""A real tritonserver on free ports with a tiny model and two local R-worker processes.
+
+One server for the module (start ~10 s); the crash drill runs last and reloads the model.
+Until the C++ kernel is built (R-workers need fastdecode.kernels) the engine uses the in-process
+torch attention backend instead of R-workers, and KV is read from the model's metrics.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from fastdecode import client
+from fastdecode.serve import TritonServer, tritonserver_binary, write_model_repository
+
+pytestmark = [pytest.mark.triton,
+              pytest.mark.skipif(not tritonserver_binary().exists(),
+                                 reason=f"tritonserver binary missing ({tritonserver_binary()}): "
+                                        "pip install nvidia-pytriton==0.7.0")]
+
+MODEL = "fastdecode"
+GREEDY = {"temperature": 0.0, "max_tokens": 24}
+
+
+def kernel_built() -> bool:
+    try:
+        import fastdecode.kernels  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """Two local R-worker processes, or None while the kernel they need is not built."""
+    if not kernel_built():
+        yield None
+        return
+    from rworker.fleet import LocalFleet
+
+    with LocalFleet(2, tmp_path_factory.mktemp("rworkers"), kv_capacity="64M", threads=1) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, fleet, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("triton")
+    crash_flag = run_dir / "crash-engine"
+    attention = {"rworkers": ",".join(fleet.addresses)} if fleet is not None else {"attention": "torch"}
+    repo = write_model_repository(run_dir / "model_repository", {
+        "model": tiny_model_dir, **attention, "max_running": "64",
+        "metrics_interval_ms": "100", "cancel_poll_ms": "20", "fault_step_error_file": str(crash_flag)})
+    with TritonServer(repo, run_dir) as s:
+        s.crash_flag = crash_flag
+        yield s
+
+
+def generate(server, prompt, sampling=GREEDY, stream=True, **extra):
+    return list(client.generate(prompt, url=server.grpc_url, model=MODEL, sampling=sampling, stream=stream,
+                                extra=extra or None, timeout=60))
+
+
+def text(responses):
+    return "".join(r.get("text_output", "") for r in responses)
+
+
+def http_post(server, path, body, timeout=60):
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/{MODEL}/{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def rworker_stats(addresses):
+    import grpc
+
+    from rworker.proto import rworker_pb2, rworker_pb2_grpc
+
+    out = []
+    for a in addresses:
+        with grpc.insecure_channel(a) as ch:
+            out.append(rworker_pb2_grpc.RWorkerStub(ch).Stats(rworker_pb2.StatsRequest(), timeout=5))
+    return out
+
+
+def kv_held(server, fleet) -> tuple[int, int]:
+    """(KV tokens, sequences) held: asked of each R-worker, or the in-process backend's gauge."""
+    if fleet is not None:
+        stats = rworker_stats(fleet.addresses)
+        return sum(s.kv_tokens for s in stats), sum(s.sequences for s in stats)
+    time.sleep(0.25)   # two metrics intervals
+    tokens = sum(metric_values(server, "fastdecode_kv_tokens").values())
+    return int(tokens), int(sum(metric_values(server, "fastdecode_requests_running").values()))
+
+
+def metric_values(server, name):
+    body = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    return {labels: float(v) for labels, v in re.findall(rf"^{name}\{{(.*?)\}} (\S+)$", body, re.M)}
+
+
+# ---- happy paths
+
+PROMPT = "Hello, world! Привет, мир! 🙂"
+
+
+def test_grpc_streaming_equals_non_streaming(server):
+    streamed = generate(server, PROMPT, return_finish_reason=True, return_num_output_tokens=True,
+                        return_num_input_tokens=True)
+    assert len(streamed) > 1
+    whole = generate(server, PROMPT, stream=False, exclude_input_in_output=True, return_num_output_tokens=True)
+    assert len(whole) == 1
+    assert text(streamed) == whole[0]["text_output"] and text(streamed)
+    assert sum(r["num_output_tokens"] for r in streamed) == whole[0]["num_output_tokens"] == GREEDY["max_tokens"]
+    assert streamed[-1]["finish_reason"] == "length"
+    assert all(r["finish_reason"] == "" for r in streamed[:-1])
+    assert streamed[0]["num_input_tokens"] > 5
+
+
+def test_non_streaming_prepends_prompt_by_default(server):
+    (r,) = generate(server, PROMPT, stream=False)
+    (excluded,) = generate(server, PROMPT, stream=False, exclude_input_in_output=True)
+    assert r["text_output"] == PROMPT + excluded["text_output"]
+
+
+def test_http_generate_and_generate_stream(server):
+    expected = text(generate(server, PROMPT))
+    status, body = http_post(server, "generate", {"text_input": PROMPT, "exclude_input_in_output": True,
+                                                  "parameters": GREEDY})
+    assert status == 200, body
+    assert json.loads(body)["text_output"] == expected
+    status, body = http_post(server, "generate_stream", {"text_input": PROMPT, "stream": True,
+                                                         "sampling_parameters": json.dumps(GREEDY)})
+    assert status == 200, body
+    events = [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
+    assert len(events) > 1
+    assert "".join(e["text_output"] for e in events) == expected
+
+
+def test_16_concurrent_streams_equal_one_by_one(server):
+    prompts = [f"Request {i}: the quick brown fox {'jumps ' * (i % 4)}" for i in range(16)]
+    one_by_one = [text(generate(server, p)) for p in prompts]
+    results: dict[int, str] = {}
+    errors = []
+
+    def run(i):
+        try:
+            results[i] = text(generate(server, prompts[i]))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    assert [results[i] for i in range(16)] == one_by_one
+    assert len(set(one_by_one)) > 1
+
+
+def test_cancelling_a_stream_frees_rworker_kv(server, fleet):
+    import tritonclient.grpc as grpcclient
+
+    got: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=lambda result, error: got.put((result, error)))
+    c.async_stream_infer(MODEL, client.build_inputs("Tell a long story.", {"max_tokens": 450, "ignore_eos": True,
+                                                                          "temperature": 0.0}))
+    for _ in range(3):
+        result, error = got.get(timeout=30)
+        assert error is None
+    assert kv_held(server, fleet)[0] > 0
+    cancelled_before = sum(metric_values(server, "fastdecode_requests_finished_total").get(k, 0)
+                           for k in metric_values(server, "fastdecode_requests_finished_total") if "cancelled" in k)
+    c.stop_stream(cancel_requests=True)
+    c.close()
+    deadline = time.monotonic() + 10
+    while kv_held(server, fleet) != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kv_held(server, fleet) == (0, 0)
+    time.sleep(0.3)   # the metrics interval
+    finished = metric_values(server, "fastdecode_requests_finished_total")
+    assert sum(v for k, v in finished.items() if "cancelled" in k) == cancelled_before + 1
+    assert text(generate(server, "still serving?"))
+
+
+def test_metrics_endpoint_shows_custom_metrics(server, fleet):
+    time.sleep(0.3)   # let earlier tests' counts reach the endpoint (metrics interval 100 ms)
+    before = sum(metric_values(server, "fastdecode_generation_tokens_total").values())
+    for _ in range(2):
+        generate(server, PROMPT)
+    time.sleep(0.3)
+    generated = sum(metric_values(server, "fastdecode_generation_tokens_total").values())
+    assert generated - before == 2 * GREEDY["max_tokens"]
+    assert sum(metric_values(server, "fastdecode_prompt_tokens_total").values()) > 0
+    ttft = metric_values(server, "fastdecode_time_to_first_token_seconds_count")
+    ttft_sum = metric_values(server, "fastdecode_time_to_first_token_seconds_sum")
+    assert sum(ttft.values()) >= 2 and 0 < sum(ttft_sum.values()) / sum(ttft.values()) < 10
+    tpot = metric_values(server, "fastdecode_time_per_output_token_seconds_sum")
+    assert 0 < sum(tpot.values()) < 10 * sum(metric_values(server, "fastdecode_time_per_output_token_seconds_count").values())
+    kv = metric_values(server, "fastdecode_kv_tokens")
+    workers = set(fleet.addresses) if fleet is not None else {"local"}
+    assert {re.search(r'rworker="([^"]+)"', k).group(1) for k in kv} == workers
+    assert all(v == 0 for v in kv.values())          # nothing in flight
+    assert list(metric_values(server, "fastdecode_requests_running").values()) == [0.0]
+    assert list(metric_values(server, "fastdecode_requests_waiting").values()) == [0.0]
+
+
+# ---- bad requests
+
+def raw_stream(server, inputs):
+    """Send these InferInputs; return (responses, error message)."""
+    import tritonclient.grpc as grpcclient
+
+    got: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        c.start_stream(callback=lambda result, error: got.put((result, error)))
+        c.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
+        responses = []
+        while True:
+            result, error = got.get(timeout=30)
+            if error is not None:
+                return responses, str(error)
+            responses.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return responses, None
+    finally:
+        c.stop_stream()
+        c.close()
+
+
+def tensor(name, array, dtype):
+    import tritonclient.grpc as grpcclient
+
+    t = grpcclient.InferInput(name, list(array.shape), dtype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+def bytes_tensor(name, value: bytes):
+    return tensor(name, np.array([value], dtype=np.object_), "BYTES")
+
+
+BAD = {
+    "missing text_input": ([tensor("stream", np.array([True]), "BOOL")], "text_input"),
+    "malformed JSON": ([bytes_tensor("text_input", b"hi"), bytes_tensor("sampling_parameters", b"{max_tokens: 3")],
+                       "not valid JSON"),
+    "JSON not an object": ([bytes_tensor("text_input", b"hi"), bytes_tensor("sampling_parameters", b"[3]")],
+                           "JSON object"),
+    "wrong type text_input": ([tensor("text_input", np.array([7], dtype=np.int32), "INT32")], "text_input"),
+    "wrong type stream": ([bytes_tensor("text_input", b"hi"), bytes_tensor("stream", b"yes")], "stream"),
+    "wrong value type": ([bytes_tensor("text_input", b"hi"), bytes_tensor("sampling_parameters",
+                                                                           b'{"max_tokens": "many"}')], "max_tokens"),
+    "max_tokens 0": ([bytes_tensor("text_input", b"hi"), bytes_tensor("sampling_parameters", b'{"max_tokens": 0}')],
+                     "max_tokens"),
+    "max_tokens huge": ([bytes_tensor("text_input", b"hi"),
+                         bytes_tensor("sampling_parameters", b'{"max_tokens": 100000000000}')], "max_tokens"),
+    "unknown sampling key": ([bytes_tensor("text_input", b"hi"), bytes_tensor("sampling_parameters", b'{"beam": 4}')],
+                             "beam"),
+    "non-UTF-8 bytes": ([bytes_tensor("text_input", b"\xff\xfe\xc3(")], "UTF-8"),
+    "empty string": ([bytes_tensor("text_input", b"")], "empty"),
+    "two prompts": ([tensor("text_input", np.array([b"a", b"b"], dtype=np.object_), "BYTES")], "text_input"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_request_gets_clear_error_and_server_keeps_serving(server, case):
+    inputs, expected = BAD[case]
+    responses, error = raw_stream(server, inputs)
+    assert error is not None, f"{case}: no error, got {len(responses)} response(s)"
+    assert expected in error, error
+    assert text(generate(server, "ok?", {"max_tokens": 2}))
+
+
+def test_http_bad_requests(server):
+    status, body = http_post(server, "generate", {"text_input": "hi", "sampling_parameters": "{oops"})
+    assert status == 400 and "not valid JSON" in body
+    status, body = http_post(server, "generate", {"text_input": "hi", "parameters": {"max_tokens": -1}})
+    assert status == 400 and "max_tokens" in body
+    status, body = http_post(server, "generate", {"prompt": "hi"})
+    assert status == 400 and "text_input" in body
+    status, _ = http_post(server, "generate", {"text_input": "hi", "parameters": {"max_tokens": 2}})
+    assert status == 200
+
+
+# ---- crash drill (last: it unloads the model, then reloads it)
+
+def test_crashed_engine_loop_makes_model_not_ready_then_reload(server):
+    import tritonclient.grpc as grpcclient
+
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    assert c.is_model_ready(MODEL)
+    server.crash_flag.write_text("crash")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(client.GenerationError, match="injected engine fault|crashed|unavailable"):
+            generate(server, "this request meets a crashing engine")
+        assert time.monotonic() - t0 < 30
+        deadline = time.monotonic() + 15
+        while c.is_model_ready(MODEL) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not c.is_model_ready(MODEL)
+        assert c.is_server_live()
+        t0 = time.monotonic()
+        with pytest.raises(client.GenerationError):
+            generate(server, "and this one is refused")
+        assert time.monotonic() - t0 < 10
+    finally:
+        server.crash_flag.unlink(missing_ok=True)
+    c.load_model(MODEL)
+    assert c.is_model_ready(MODEL)
+    assert text(generate(server, "back again", {"max_tokens": 3}))
