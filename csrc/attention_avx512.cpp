@@ -48,10 +48,12 @@ struct V {
   }
   static inline void nib(const uint8_t* p, F& lo, F& hi) {
     const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(15)));
-    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4));
+    // vpermps reads only the low 4 bits of each index: a 16-entry table replaces and + cvt
+    const F lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    lo = _mm512_permutexvar_ps(x, lut);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), lut);
   }
-  static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+  static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 };
 
 #include "attention_impl.h"

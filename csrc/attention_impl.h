@@ -21,9 +21,15 @@ typedef V::F F;
 constexpr int W = V::W;
 
 // QK for GT query heads against up to one block of fp16 keys: P[g][t] = q_g . k_t
+// Independent FMA chains per head so that GT * C chains hide the FMA latency.
+template <int GT>
+constexpr int qk_chains() {
+  return (8 + GT - 1) / GT < (V::kRegs - 4) / GT ? (8 + GT - 1) / GT : ((V::kRegs - 4) / GT > 0 ? (V::kRegs - 4) / GT : 1);
+}
+
 template <int GT>
 static void scores_fp16(const Layout& L, const uint8_t* head, int n, const float* q, float* P) {
-  constexpr int C = GT == 1 ? 4 : (GT <= 3 ? 2 : 1);  // independent FMA chains per head
+  constexpr int C = qk_chains<GT>();
   const int D = L.head_dim, bsp = L.bsp;
   const uint16_t* K = reinterpret_cast<const uint16_t*>(head + L.k_off);
   for (int c0 = 0; c0 < n; c0 += W) {
@@ -61,27 +67,27 @@ static void scores_int4(const Layout& L, const uint8_t* head, int n, const float
     F s[GT];
     for (int g = 0; g < GT; ++g) s[g] = V::zero();
     for (int grp = 0; grp < ng; ++grp) {
-      F r[GT][4];
+      constexpr int R = GT == 1 ? 4 : (GT == 2 ? 2 : 1);  // channel-pair rows per step: 2R chains per head
+      F r[GT][2 * R];
       for (int g = 0; g < GT; ++g)
-        for (int j = 0; j < 4; ++j) r[g][j] = V::zero();
-      // two channel-pair rows per step: 4 independent chains per head
-      for (int pr = 0; pr < qg / 2; pr += 2) {
+        for (int j = 0; j < 2 * R; ++j) r[g][j] = V::zero();
+      for (int pr = 0; pr < qg / 2; pr += R) {
         const int d = grp * qg + 2 * pr;
-        F lo0, hi0, lo1, hi1;
-        V::nib(Kn + static_cast<size_t>(grp * qg / 2 + pr) * bsp + c0, lo0, hi0);
-        V::nib(Kn + static_cast<size_t>(grp * qg / 2 + pr + 1) * bsp + c0, lo1, hi1);
+        F lo[R], hi[R];
+        for (int j = 0; j < R; ++j) V::nib(Kn + static_cast<size_t>(grp * qg / 2 + pr + j) * bsp + c0, lo[j], hi[j]);
         for (int g = 0; g < GT; ++g) {
           const float* qd = q + g * D + d;
-          r[g][0] = V::fma(V::set1(qd[0]), lo0, r[g][0]);
-          r[g][1] = V::fma(V::set1(qd[1]), hi0, r[g][1]);
-          r[g][2] = V::fma(V::set1(qd[2]), lo1, r[g][2]);
-          r[g][3] = V::fma(V::set1(qd[3]), hi1, r[g][3]);
+          for (int j = 0; j < R; ++j) {
+            r[g][2 * j] = V::fma(V::set1(qd[2 * j]), lo[j], r[g][2 * j]);
+            r[g][2 * j + 1] = V::fma(V::set1(qd[2 * j + 1]), hi[j], r[g][2 * j + 1]);
+          }
         }
       }
       const F ks = V::load_h(Ks + static_cast<size_t>(grp) * bsp + c0);
       const F kz = V::load_h(Kz + static_cast<size_t>(grp) * bsp + c0);
       for (int g = 0; g < GT; ++g) {
-        const F dot = V::add(V::add(r[g][0], r[g][1]), V::add(r[g][2], r[g][3]));
+        F dot = r[g][0];
+        for (int j = 1; j < 2 * R; ++j) dot = V::add(dot, r[g][j]);
         s[g] = V::fma(ks, dot, s[g]);
         s[g] = V::fma(kz, V::set1(qsum[g * ng + grp]), s[g]);
       }
@@ -112,18 +118,32 @@ static float softmax_block(float* p, int n, float& m, float& l) {
   return corr;
 }
 
+// Software prefetch of a later block's head region, spread over the PV token
+// loop of this block (a burst of 100+ prefetches would stall on fill buffers).
+struct Prefetch {
+  const uint8_t* p = nullptr;  // nullptr: nothing to prefetch
+  int lines = 0;
+  inline void step(int t, int n) const {
+    if (!p) return;
+    for (int i = t * lines / n; i < (t + 1) * lines / n; ++i) V::prefetch(p + static_cast<size_t>(i) * 64);
+  }
+};
+
 // Vectors of D kept in registers per head in the PV loop (GT heads + one V row).
 template <int GT>
 constexpr int pv_chunk() {
-  return (GT + 1) * 4 <= V::kRegs - 4 ? 4 : ((GT + 1) * 2 <= V::kRegs - 2 ? 2 : 1);
+  return (GT + 1) * 8 <= V::kRegs - 4 ? 8
+         : (GT + 1) * 4 <= V::kRegs - 4 ? 4 : ((GT + 1) * 2 <= V::kRegs - 2 ? 2 : 1);
 }
 
 template <int GT, int DC>
-static void pv_fp16_chunk(const uint16_t* Vr, int D, int n, const float* P, int bsp, float* acc, int d0) {
+static void pv_fp16_chunk(const uint16_t* Vr, int D, int n, const float* P, int bsp, float* acc, int d0,
+                          const Prefetch& pf) {
   F a[GT][DC];
   for (int g = 0; g < GT; ++g)
     for (int j = 0; j < DC; ++j) a[g][j] = V::load(acc + g * D + d0 + j * W);
   for (int t = 0; t < n; ++t) {
+    pf.step(t, n);
     F v[DC];
     for (int j = 0; j < DC; ++j) v[j] = V::load_h(Vr + static_cast<size_t>(t) * D + d0 + j * W);
     for (int g = 0; g < GT; ++g) {
@@ -137,19 +157,54 @@ static void pv_fp16_chunk(const uint16_t* Vr, int D, int n, const float* P, int 
 
 // acc[g] += sum_t P[g][t] * V_t (fp16 values)
 template <int GT>
-static void pv_fp16(const Layout& L, const uint8_t* head, int n, const float* P, float* acc) {
+static void pv_fp16(const Layout& L, const uint8_t* head, int n, const float* P, float* acc, const Prefetch& pf) {
   constexpr int DC = pv_chunk<GT>();
   const int D = L.head_dim;
   const uint16_t* Vr = reinterpret_cast<const uint16_t*>(head + L.v_off);
   int d0 = 0;
-  for (; d0 + DC * W <= D; d0 += DC * W) pv_fp16_chunk<GT, DC>(Vr, D, n, P, L.bsp, acc, d0);
-  for (; d0 < D; d0 += W) pv_fp16_chunk<GT, 1>(Vr, D, n, P, L.bsp, acc, d0);
+  const Prefetch none;
+  for (; d0 + DC * W <= D; d0 += DC * W) pv_fp16_chunk<GT, DC>(Vr, D, n, P, L.bsp, acc, d0, d0 ? none : pf);
+  for (; d0 < D; d0 += W) pv_fp16_chunk<GT, 1>(Vr, D, n, P, L.bsp, acc, d0, d0 ? none : pf);
+}
+
+template <int GT, int GC>
+static void pv_int4_groups(int D, int ng, int half, int bsp, int n, const uint8_t* Vn, const float* Cc, float* acc,
+                           const Prefetch& pf) {
+  const int qg = 2 * half;
+  for (int g0 = 0; g0 < ng; g0 += GC) {
+    for (int i = 0; i < half; i += W) {
+      F lo_acc[GT][GC], hi_acc[GT][GC];
+      for (int g = 0; g < GT; ++g)
+        for (int c = 0; c < GC; ++c) {
+          lo_acc[g][c] = V::load(acc + g * D + (g0 + c) * qg + i);
+          hi_acc[g][c] = V::load(acc + g * D + (g0 + c) * qg + half + i);
+        }
+      const uint8_t* src = Vn + g0 * half + i;
+      for (int t = 0; t < n; ++t) {
+        if (g0 == 0 && i == 0) pf.step(t, n);
+        for (int c = 0; c < GC; ++c) {
+          F lo, hi;
+          V::nib(src + static_cast<size_t>(t) * (D / 2) + c * half, lo, hi);
+          for (int g = 0; g < GT; ++g) {
+            const F coef = V::set1(Cc[(g * ng + g0 + c) * bsp + t]);
+            lo_acc[g][c] = V::fma(coef, lo, lo_acc[g][c]);
+            hi_acc[g][c] = V::fma(coef, hi, hi_acc[g][c]);
+          }
+        }
+      }
+      for (int g = 0; g < GT; ++g)
+        for (int c = 0; c < GC; ++c) {
+          V::store(acc + g * D + (g0 + c) * qg + i, lo_acc[g][c]);
+          V::store(acc + g * D + (g0 + c) * qg + half + i, hi_acc[g][c]);
+        }
+    }
+  }
 }
 
 // acc[g] += sum_t (P[g][t] * scale_t) * u_t;  zacc[g][grp] (W lanes) += sum_t P[g][t] * zero_t
 template <int GT>
 static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P, float* Cc, float* acc,
-                    float* zacc) {
+                    float* zacc, const Prefetch& pf) {
   const int D = L.head_dim, bsp = L.bsp, qg = L.qgroup, ng = D / qg, half = qg / 2;
   const uint8_t* Vn = head + L.v_off;
   const uint16_t* Vs = reinterpret_cast<const uint16_t*>(head + L.vs_off);
@@ -166,30 +221,11 @@ static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P,
       V::store(zacc + (g * ng + grp) * W, z);
     }
   }
-  for (int grp = 0; grp < ng; ++grp) {
-    for (int i = 0; i < half; i += W) {
-      F lo_acc[GT], hi_acc[GT];
-      for (int g = 0; g < GT; ++g) {
-        lo_acc[g] = V::load(acc + g * D + grp * qg + i);
-        hi_acc[g] = V::load(acc + g * D + grp * qg + half + i);
-      }
-      const uint8_t* src = Vn + grp * half + i;
-      const float* cg = Cc + grp * bsp;
-      for (int t = 0; t < n; ++t) {
-        F lo, hi;
-        V::nib(src + static_cast<size_t>(t) * (D / 2), lo, hi);
-        for (int g = 0; g < GT; ++g) {
-          const F c = V::set1(cg[g * ng * bsp + t]);
-          lo_acc[g] = V::fma(c, lo, lo_acc[g]);
-          hi_acc[g] = V::fma(c, hi, hi_acc[g]);
-        }
-      }
-      for (int g = 0; g < GT; ++g) {
-        V::store(acc + g * D + grp * qg + i, lo_acc[g]);
-        V::store(acc + g * D + grp * qg + half + i, hi_acc[g]);
-      }
-    }
-  }
+  constexpr int GC = GT == 1 ? 4 : (GT == 2 ? 2 : 1);  // groups in flight: >= 8 FMA chains
+  if (ng % GC == 0)
+    pv_int4_groups<GT, GC>(D, ng, half, bsp, n, Vn, Cc, acc, pf);
+  else
+    pv_int4_groups<GT, 1>(D, ng, half, bsp, n, Vn, Cc, acc, pf);
 }
 
 // Per-item running state, pointers into the thread's scratch.
@@ -200,7 +236,7 @@ struct ItemState {
 // One block, GT query heads (a tile of the item's G heads starting at g0).
 template <int GT>
 static void tile(const Layout& L, const uint8_t* head, int n, const float* q, const ItemState& st, int g0,
-                 int ng) {
+                 int ng, const Prefetch& pf) {
   const int D = L.head_dim, bsp = L.bsp;
   float* P = st.P + g0 * bsp;
   float* acc = st.acc + g0 * D;
@@ -220,22 +256,22 @@ static void tile(const Layout& L, const uint8_t* head, int n, const float* q, co
     }
   }
   if (L.int4)
-    pv_int4<GT>(L, head, n, P, st.Cc, acc, st.zacc + g0 * ng * W);
+    pv_int4<GT>(L, head, n, P, st.Cc, acc, st.zacc + g0 * ng * W, pf);
   else
-    pv_fp16<GT>(L, head, n, P, acc);
+    pv_fp16<GT>(L, head, n, P, acc, pf);
 }
 
 static void tile_any(int gt, const Layout& L, const uint8_t* head, int n, const float* q, const ItemState& st,
-                     int g0, int ng) {
+                     int g0, int ng, const Prefetch& pf) {
   switch (gt) {
-    case 1: tile<1>(L, head, n, q, st, g0, ng); break;
-    case 2: tile<2>(L, head, n, q, st, g0, ng); break;
-    case 3: tile<3>(L, head, n, q, st, g0, ng); break;
-    case 4: tile<4>(L, head, n, q, st, g0, ng); break;
-    case 5: tile<5>(L, head, n, q, st, g0, ng); break;
-    case 6: tile<6>(L, head, n, q, st, g0, ng); break;
-    case 7: tile<7>(L, head, n, q, st, g0, ng); break;
-    default: tile<8>(L, head, n, q, st, g0, ng); break;
+    case 1: tile<1>(L, head, n, q, st, g0, ng, pf); break;
+    case 2: tile<2>(L, head, n, q, st, g0, ng, pf); break;
+    case 3: tile<3>(L, head, n, q, st, g0, ng, pf); break;
+    case 4: tile<4>(L, head, n, q, st, g0, ng, pf); break;
+    case 5: tile<5>(L, head, n, q, st, g0, ng, pf); break;
+    case 6: tile<6>(L, head, n, q, st, g0, ng, pf); break;
+    case 7: tile<7>(L, head, n, q, st, g0, ng, pf); break;
+    default: tile<8>(L, head, n, q, st, g0, ng, pf); break;
   }
 }
 
@@ -243,9 +279,8 @@ static inline float* align16(float* p) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~static_cast<uintptr_t>(63));
 }
 
-static void prefetch_region(const uint8_t* p, size_t bytes) {
-  for (size_t off = 0; off < bytes; off += 64) V::prefetch(p + off);
-}
+// Blocks ahead the kernel prefetches (one block of one head: 8 KiB at fp16, D=128).
+constexpr int kPrefetchBlocks = 2;
 
 // Work items [begin, end) of the job; scratch holds scratch_floats(L, G) floats.
 static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
@@ -282,9 +317,14 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
     const size_t hoff = static_cast<size_t>(h) * L.head_bytes;
     for (int i = 0; i < nblk; ++i) {
       const uint8_t* head = J.pool + static_cast<size_t>(table[i]) * L.block_bytes + hoff;
-      if (i + 1 < nblk) prefetch_region(J.pool + static_cast<size_t>(table[i + 1]) * L.block_bytes + hoff, L.head_bytes);
+      Prefetch pf;
+      if (i + kPrefetchBlocks < nblk) {
+        pf.p = J.pool + static_cast<size_t>(table[i + kPrefetchBlocks]) * L.block_bytes + hoff;
+        pf.lines = static_cast<int>(L.head_bytes / 64);
+      }
       const int n = ntok - i * bs < bs ? ntok - i * bs : bs;
-      for (int g0 = 0; g0 < G; g0 += 8) tile_any(G - g0 < 8 ? G - g0 : 8, L, head, n, q, st, g0, ng);
+      const Prefetch none;
+      for (int g0 = 0; g0 < G; g0 += 8) tile_any(G - g0 < 8 ? G - g0 : 8, L, head, n, q, st, g0, ng, g0 ? none : pf);
     }
     float* out = J.out + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h) * G) * D;
     for (int g = 0; g < G; ++g) {

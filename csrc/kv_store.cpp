@@ -3,9 +3,14 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <unordered_set>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace fd {
 
@@ -39,6 +44,37 @@ void quantize_group(const float* x, int n, uint8_t* u, uint16_t* scale_h, uint16
   }
   *scale_h = sh;
   *zero_h = zh;
+}
+
+// Bulk fp32 <-> fp16 for appends: F16C when the CPU has it, else the portable routines.
+#if defined(__x86_64__) || defined(__i386__)
+__attribute__((target("avx,f16c"))) void to_half_f16c(const float* x, uint16_t* y, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) y[i] = f2h(x[i]);
+}
+__attribute__((target("avx,f16c"))) void to_float_f16c(const uint16_t* x, float* y, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+  for (; i < n; ++i) y[i] = h2f(x[i]);
+}
+const bool kHasF16C = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+#else
+const bool kHasF16C = false;
+void to_half_f16c(const float*, uint16_t*, int) {}
+void to_float_f16c(const uint16_t*, float*, int) {}
+#endif
+
+void to_half(const float* x, uint16_t* y, int n) {
+  if (kHasF16C) return to_half_f16c(x, y, n);
+  for (int i = 0; i < n; ++i) y[i] = f2h(x[i]);
+}
+
+void to_float(const uint16_t* x, float* y, int n) {
+  if (kHasF16C) return to_float_f16c(x, y, n);
+  for (int i = 0; i < n; ++i) y[i] = h2f(x[i]);
 }
 
 }  // namespace
@@ -216,23 +252,38 @@ void KVStore::write_token(Seq& s, int layer, int pos, const Input& k, const Inpu
   const int D = L_.head_dim, Hkv = L_.num_kv_heads, bs = L_.block_size, bsp = L_.bsp;
   uint8_t* block = pool_base_ + static_cast<size_t>(s.blocks[layer][pos / bs]) * L_.block_bytes;
   const int slot = pos % bs;
-  float kx[4096], vx[4096];
+  alignas(64) float kx[4096], vx[4096];
+  alignas(64) uint16_t kh[4096], vh[4096];
   for (int h = 0; h < Hkv; ++h) {
     uint8_t* head = block + static_cast<size_t>(h) * L_.head_bytes;
     const size_t base = (src * Hkv + h) * D;
-    for (int d = 0; d < D; ++d) {
-      kx[d] = k.at(base + d);
-      vx[d] = v.at(base + d);
-    }
     if (!L_.int4) {
-      uint16_t* K = reinterpret_cast<uint16_t*>(head + L_.k_off);
-      uint16_t* V = reinterpret_cast<uint16_t*>(head + L_.v_off) + static_cast<size_t>(slot) * D;
-      for (int d = 0; d < D; ++d) {
-        K[static_cast<size_t>(d) * bsp + slot] = f2h(kx[d]);
-        V[d] = f2h(vx[d]);
+      const uint16_t *ks, *vs;
+      if (k.dtype == DType::f16) {
+        ks = static_cast<const uint16_t*>(k.data) + base;
+      } else {
+        to_half(static_cast<const float*>(k.data) + base, kh, D);
+        ks = kh;
       }
+      if (v.dtype == DType::f16) {
+        vs = static_cast<const uint16_t*>(v.data) + base;
+      } else {
+        to_half(static_cast<const float*>(v.data) + base, vh, D);
+        vs = vh;
+      }
+      uint16_t* K = reinterpret_cast<uint16_t*>(head + L_.k_off);
+      for (int d = 0; d < D; ++d) K[static_cast<size_t>(d) * bsp + slot] = ks[d];
+      std::memcpy(head + L_.v_off + static_cast<size_t>(slot) * D * 2, vs, static_cast<size_t>(D) * 2);
       continue;
     }
+    if (k.dtype == DType::f16)
+      to_float(static_cast<const uint16_t*>(k.data) + base, kx, D);
+    else
+      std::memcpy(kx, static_cast<const float*>(k.data) + base, static_cast<size_t>(D) * 4);
+    if (v.dtype == DType::f16)
+      to_float(static_cast<const uint16_t*>(v.data) + base, vx, D);
+    else
+      std::memcpy(vx, static_cast<const float*>(v.data) + base, static_cast<size_t>(D) * 4);
     const int qg = L_.qgroup, half = qg / 2, ng = D / qg;
     uint8_t* Kn = head + L_.k_off;
     uint16_t* Ks = reinterpret_cast<uint16_t*>(head + L_.ks_off);
@@ -332,22 +383,13 @@ void KVStore::attend_locked(int layer, const std::vector<Seq*>& seqs, int H, Inp
   job.tables = tables.data();
   job.lens = lens.data();
 
-  // Static partition of the (sequence, kv head) items, balanced by tokens.
+  // The (sequence, kv head) items are cut into chunks of about equal tokens,
+  // several per thread, and threads take the next chunk from a shared counter:
+  // on a shared machine a descheduled thread then delays only its own chunk.
   const int items = B * Hkv;
   int64_t work = 0;
-  for (int b = 0; b < B; ++b) work += static_cast<int64_t>(lens[b]) * Hkv;
-  int T = std::min(pool_->size(), items);
-  if (work < kParallelMin) T = 1;
-  std::vector<int> bounds(T + 1, items);
-  bounds[0] = 0;
-  {
-    int64_t acc = 0;
-    int t = 1;
-    for (int i = 0; i < items && t < T; ++i) {
-      acc += lens[i / Hkv] + 16;
-      while (t < T && acc * T >= (work + 16LL * items) * t) bounds[t++] = i + 1;
-    }
-  }
+  for (int b = 0; b < B; ++b) work += (static_cast<int64_t>(lens[b]) + 16) * Hkv;
+  const int T = work < kParallelMin ? 1 : std::min(pool_->size(), items);
   const size_t need = scratch_floats(L_, G);
   for (int t = 0; t < T; ++t)
     if (scratch_[t].size() < need) scratch_[t].resize(need);
@@ -355,8 +397,19 @@ void KVStore::attend_locked(int layer, const std::vector<Seq*>& seqs, int H, Inp
     items_(job, 0, items, scratch_[0].data());
     return;
   }
+  const int nchunks = std::min(items, T * 8);
+  std::vector<int> bounds(nchunks + 1, items);
+  bounds[0] = 0;
+  int64_t acc = 0;
+  for (int i = 0, c = 1; i < items && c < nchunks; ++i) {
+    acc += lens[i / Hkv] + 16;
+    while (c < nchunks && acc * nchunks >= work * c) bounds[c++] = i + 1;
+  }
+  std::atomic<int> next{0};
   pool_->run([&](int tid) {
-    if (tid < T && bounds[tid] < bounds[tid + 1]) items_(job, bounds[tid], bounds[tid + 1], scratch_[tid].data());
+    if (tid >= T) return;
+    for (int c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1))
+      if (bounds[c] < bounds[c + 1]) items_(job, bounds[c], bounds[c + 1], scratch_[tid].data());
   });
 }
 

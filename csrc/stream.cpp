@@ -15,6 +15,10 @@
 #include <immintrin.h>
 #endif
 
+// GCC 12 warns about _mm512_undefined_epi32() inside its own intrinsics.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 namespace fd {
 
 namespace {

@@ -212,13 +212,17 @@ class EngineHost:
             self._crashed_at = time.monotonic()
             self.transport.log("error", f"fastdecode: engine crashed ({self.crash_reason}); "
                                         "failing live requests and unloading the model")
-            try:
-                self.transport.unload()
-            except Exception as e:
-                self.transport.log("error", f"fastdecode: could not unload the model: {e}")
+            # From its own thread: unloading runs finalize(), which stops this sender thread.
+            threading.Thread(target=self._unload, name="fastdecode-unload", daemon=True).start()
         if not self.healthy and time.monotonic() - self._crashed_at >= self.crash_grace_s:
             # The engine ends its requests with finish_reason "error"; whatever it missed ends here.
             self._fail_all(ErrorInfo(f"model unavailable: the engine crashed ({self.crash_reason})", UNAVAILABLE))
+
+    def _unload(self) -> None:
+        try:
+            self.transport.unload()
+        except Exception as e:
+            self.transport.log("error", f"fastdecode: could not unload the model: {e}")
 
     def _fail_all(self, error: ErrorInfo) -> None:
         with self._lock:

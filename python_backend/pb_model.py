@@ -92,7 +92,9 @@ class FastDecodeModel:
         return None
 
     def finalize(self):
+        pb_utils.Logger.log_info("fastdecode: finalize: stopping the engine")
         self.host.shutdown()
+        pb_utils.Logger.log_info("fastdecode: finalize: done")
         self.host.metrics = None
 
 

@@ -31,6 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tls-client-ca", default="", help="CA of client certificates: enables mutual TLS")
     p.add_argument("--max-message-size", default="64M", type=parse_size, help="largest message accepted")
     p.add_argument("--max-connections", default=64, type=int, help="concurrent S-worker streams")
+    p.add_argument("--max-sequences", default=1 << 18, type=int, help="open sequences, all clients together")
     p.add_argument("--drain-timeout", default=60.0, type=float, help="seconds SIGTERM waits for open sequences")
     p.add_argument("--store", default="kernel", choices=("kernel", "numpy"),
                    help="KV store: the C++ kernel, or the slow numpy reference")
@@ -43,8 +44,10 @@ def main(argv=None) -> int:
     faulthandler.register(signal.SIGUSR1)     # kill -USR1 <pid>: dump every thread's stack to the log
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s rworker %(levelname)s %(message)s")
-    if args.kv_capacity <= 0 or args.threads < 0 or args.block_size < 1:
-        sys.exit("rworker: --kv-capacity > 0, --threads >= 0 and --block-size >= 1 are required")
+    if args.kv_capacity <= 0 or args.threads < 0 or args.block_size < 1 or args.max_sequences < 1 \
+            or args.max_connections < 1 or args.max_message_size < 1024:
+        sys.exit("rworker: need --kv-capacity > 0, --threads >= 0, --block-size >= 1, --max-sequences >= 1, "
+                 "--max-connections >= 1, --max-message-size >= 1K")
     if args.store == "numpy":
         from rworker.refstore import NumpyKVStore as store_factory
     else:
@@ -53,7 +56,7 @@ def main(argv=None) -> int:
         listen=args.listen, kv_capacity=args.kv_capacity, threads=args.threads, block_size=args.block_size,
         token=read_token(args.token, args.token_file), tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, max_message_bytes=args.max_message_size,
-        max_connections=args.max_connections, drain_timeout_s=args.drain_timeout)
+        max_connections=args.max_connections, max_sequences=args.max_sequences, drain_timeout_s=args.drain_timeout)
     return serve(opts, store_factory)
 
 

@@ -27,8 +27,8 @@ Python API (tests, benches, serve):
                rworker_args=(), hosts=None, prefixes=None, start_timeout=60.0, stop_timeout=10.0)
     .start() -> self    .stop()    .kill(i, sig=SIGKILL)    .restart(i)    .alive(i) -> bool
     .addresses: tuple[str, ...]    .pids: list[int]    .log_path(i) -> Path
-base_port=0 picks free ports (50061 + i for workers with a prefix); threads=0 gives each
-worker cpu_count // n threads.
+base_port=0: each worker binds a free port and reports it (50061 + i for workers with a
+prefix); restart(i) reuses it. threads=0 gives each worker cpu_count // n threads.
 `hosts` (one listen address per worker) and `prefixes` (a command prefix per worker, e.g.
 ["ip", "netns", "exec", "ns0"]) run workers elsewhere than on 127.0.0.1 (tests/test_netns.py).
 Failures raise FleetError with the worker's log tail; nothing is left running.
@@ -57,7 +57,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PLAYBOOK = REPO_ROOT / "deploy" / "ansible" / "rworkers.yml"
 MAX_WORKERS = 256
 DEFAULT_PORT = 50061
-READY = re.compile(rb"\bREADY\b")
+READY = re.compile(rb"\bREADY (\S+)")
 
 
 class FleetError(RuntimeError):
@@ -200,7 +200,7 @@ class LocalFleet:
                 elif self.prefixes[i]:       # another host or namespace: its ports cannot be probed from here
                     port = DEFAULT_PORT + i
                 else:
-                    port = free_port(self.hosts[i])
+                    port = 0                 # the worker binds a free port and names it in its READY line
                 self.workers.append({"index": i, "host": self.hosts[i], "port": port,
                                      "address": address_of(self.hosts[i], port), "pid": 0, "create_time": 0.0})
                 self._launch(i)
@@ -286,7 +286,7 @@ class LocalFleet:
 
     def _launch(self, i: int) -> None:
         w = self.workers[i]
-        if not self.prefixes[i] and not _port_free(w["host"], w["port"]):
+        if w["port"] and not self.prefixes[i] and not _port_free(w["host"], w["port"]):
             raise FleetError(f"R-worker {i}: port {w['address']} is already in use")
         log = self.log_path(i)
         with open(log, "ab") as f:
@@ -305,17 +305,20 @@ class LocalFleet:
     def _wait_ready(self, i: int) -> None:
         w, log = self.workers[i], self.log_path(i)
         deadline = time.monotonic() + self.start_timeout
-        seen_ready = False
+        ready = None
         while True:
             proc = self._procs[i]
             if proc.poll() is not None:
                 raise FleetError(f"R-worker {i} ({w['address']}) exited with status {proc.returncode} "
                                  f"before serving; log {log}:\n{_log_tail(log, w['log_offset'])}")
-            if not seen_ready:
+            if ready is None:
                 with open(log, "rb") as f:
                     f.seek(w["log_offset"])
-                    seen_ready = READY.search(f.read()) is not None
-            if seen_ready and (self._tls or health(w["address"], timeout=1.0) in ("SERVING", "UNAUTHENTICATED")):
+                    ready = READY.search(f.read())
+                if ready is not None and w["port"] == 0:
+                    w["port"] = int(ready.group(1).rsplit(b":", 1)[1])
+                    w["address"] = address_of(w["host"], w["port"])
+            if ready and (self._tls or health(w["address"], timeout=1.0) in ("SERVING", "UNAUTHENTICATED")):
                 return
             if time.monotonic() > deadline:
                 raise FleetError(f"R-worker {i} ({w['address']}) not serving after {self.start_timeout:.0f} s; "
@@ -373,8 +376,9 @@ class LocalFleet:
 
 # ---- inventory mode (Ansible)
 
-def inventory_addresses(inventory: str) -> list[str]:
-    """host:port of every host in the inventory's `rworkers` group, as the playbook configures them."""
+def inventory_addresses(inventory: str, port: int = 0) -> list[str]:
+    """host:port of every host in the inventory's `rworkers` group, as the playbook configures them
+    (rworker_host, else ansible_host, else the name; rworker_port unless `port` overrides it)."""
     out = _run_ansible(["ansible-inventory", "-i", inventory, "--list"], capture=True)
     data = json.loads(out)
     hostvars = data.get("_meta", {}).get("hostvars", {})
@@ -389,7 +393,8 @@ def inventory_addresses(inventory: str) -> list[str]:
     addresses = []
     for h in hosts:
         v = hostvars.get(h, {})
-        addresses.append(f"{v.get('rworker_host', v.get('ansible_host', h))}:{v.get('rworker_port', DEFAULT_PORT)}")
+        host = v.get("rworker_host", v.get("ansible_host", h))
+        addresses.append(address_of(host, port or int(v.get("rworker_port", DEFAULT_PORT))))
     return addresses
 
 
@@ -423,7 +428,7 @@ def _run_ansible(cmd: list[str], capture: bool = False) -> str:
 def ansible_rollout(inventory: str, run_dir: Path, state: str, extra_vars: dict, check: bool = False) -> list[str]:
     if not Path(inventory).is_file():
         raise FleetError(f"inventory {inventory} not found")
-    addresses = inventory_addresses(inventory)
+    addresses = inventory_addresses(inventory, int(extra_vars.get("rworker_port", 0)))
     cmd = ["ansible-playbook", "-i", inventory, str(PLAYBOOK),
            "-e", json.dumps({"rworker_state": state, **extra_vars})]
     _run_ansible(cmd + (["--check", "--diff"] if check else []))
@@ -454,6 +459,8 @@ def _cmd_start(args, rworker_args: list[str]) -> int:
         if not Path(args.inventory).is_file():
             raise FleetError(f"inventory {args.inventory} not found")
         wheelhouse = Path(args.wheelhouse) if args.wheelhouse else build_wheelhouse(run_dir / "wheelhouse")
+        if not any(wheelhouse.glob("fastdecode-*.whl")):
+            raise FleetError(f"wheelhouse {wheelhouse} holds no fastdecode wheel")
         extra["rworker_wheelhouse"] = str(wheelhouse.resolve())
         addresses = ansible_rollout(args.inventory, run_dir, "started", extra, check=args.check)
         print(",".join(addresses))

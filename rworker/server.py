@@ -32,13 +32,15 @@ class ServerOptions:
     tls_client_ca: str = ""
     max_message_bytes: int = 64 << 20
     max_connections: int = 64
+    max_sequences: int = 1 << 18
     drain_timeout_s: float = 60.0
 
 
 class RWorkerServer:
     def __init__(self, opts: ServerOptions, store_factory=default_store_factory) -> None:
         self.opts = opts
-        self.service = RWorkerService(opts.kv_capacity, opts.threads, opts.block_size, store_factory)
+        self.service = RWorkerService(opts.kv_capacity, opts.threads, opts.block_size, store_factory,
+                                      opts.max_sequences)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self.service.on_drain = lambda: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         # A stream holds one thread for its life; a few more serve Stats, Drain and health.

@@ -22,6 +22,7 @@ from rworker.proto import rworker_pb2_grpc as pb_grpc
 log = logging.getLogger("rworker")
 
 ID_BITS = 40                                 # client sequence ids: 0 <= id < 2**40
+MAX_IDS_PER_CALL = 1 << 16
 WIRE_DTYPES = {"float16": np.float16, "float32": np.float32}
 KV_FORMATS = ("fp16", "int4")
 MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 4096, 4096, 1024
@@ -80,8 +81,9 @@ class Connection:
 
 class RWorkerService(pb_grpc.RWorkerServicer):
     def __init__(self, capacity_bytes: int, threads: int = 0, block_size: int = 16,
-                 store_factory=default_store_factory) -> None:
+                 store_factory=default_store_factory, max_sequences: int = 1 << 18) -> None:
         self.capacity_bytes = capacity_bytes
+        self.max_sequences = max_sequences
         self.threads = threads
         self.block_size = block_size
         self.store_factory = store_factory
@@ -108,6 +110,7 @@ class RWorkerService(pb_grpc.RWorkerServicer):
             self._release(conn)
 
     def _call(self, conn: Connection, req: pb.Request) -> pb.Reply:
+        t0 = time.perf_counter()
         reply = pb.Reply(call_id=req.call_id)
         op = req.WhichOneof("op")
         try:
@@ -137,6 +140,7 @@ class RWorkerService(pb_grpc.RWorkerServicer):
                 reply.code, reply.message = grpc.StatusCode.INTERNAL.value[0], f"{type(e).__name__}: {e}"
         if reply.code:
             log.debug("call %d (%s) -> %d %s", req.call_id, op, reply.code, reply.message)
+        reply.handler_s = time.perf_counter() - t0
         return reply
 
     def _release(self, conn: Connection) -> None:
@@ -184,6 +188,9 @@ class RWorkerService(pb_grpc.RWorkerServicer):
     def _ids(self, conn: Connection, seq_ids) -> np.ndarray:
         if conn.config is None:
             raise CallError(grpc.StatusCode.FAILED_PRECONDITION, "Configure must be the first call")
+        if len(seq_ids) > MAX_IDS_PER_CALL:
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{len(seq_ids)} sequence ids in one call (at most {MAX_IDS_PER_CALL})")
         ids = np.asarray(seq_ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= 1 << ID_BITS):
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"sequence ids must be in [0, 2**{ID_BITS})")
@@ -197,6 +204,10 @@ class RWorkerService(pb_grpc.RWorkerServicer):
             raise CallError(grpc.StatusCode.ALREADY_EXISTS,
                             f"sequence id(s) already open: {sorted(conn.seqs.intersection(m.seq_ids))[:8]}")
         with self.lock:
+            total = sum(len(c.seqs) for c in self.connections.values())
+            if total + len(ids) > self.max_sequences:
+                raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{total} sequences open; this R-worker takes at most {self.max_sequences}")
             self.store.create(ids + conn.base)
             conn.seqs.update(m.seq_ids)
 

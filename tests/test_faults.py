@@ -71,10 +71,10 @@ def test_kill_one_of_two_mid_generation(tiny_model_dir, expected, tmp_path):
         run = Run(remote_config(tiny_model_dir, fleet))
         try:
             run.add(PROMPTS)
-            workers = run.engine.backend.stats()["workers"]
 
             def fault(n):
                 if n == 4:
+                    workers = run.engine.backend.stats()["workers"]
                     assert all(w["sequences"] > 0 for w in workers)   # both held some sequences
                     fleet.kill(0)
             run.run(fault)
@@ -126,11 +126,21 @@ def test_kill_both_ends_requests_with_clear_error(tiny_model_dir, tmp_path):
                 assert reason == "error"
                 assert "R-worker" in error, error
             assert time.monotonic() - t0 < 60
-            # New requests fail the same clear way instead of hanging.
-            more = run.add(PROMPTS[:2], tag="late-")
+        finally:
+            run.close()
+
+
+def test_new_requests_with_no_worker_left_fail_clearly(tiny_model_dir, tmp_path):
+    with local_fleet(1, tmp_path) as fleet:
+        run = Run(remote_config(tiny_model_dir, fleet, rworker_timeout_s=2.0))
+        try:
+            fleet.kill(0)
+            ids = run.add(PROMPTS[:2])
             run.run(timeout=30)
-            for i in more:
-                assert run.finished[i][0] == "error" and "R-worker" in run.finished[i][1]
+            assert run.engine.healthy
+            for i in ids:
+                reason, error = run.finished[i]
+                assert reason == "error" and "no R-worker available" in error, (reason, error)
         finally:
             run.close()
 

@@ -23,14 +23,12 @@ def fleet_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           capture_output=True, timeout=timeout)
 
 
-def listeners(address: str) -> list[psutil.Process]:
-    """Live processes running an R-worker for `address` (a leak check that does not trust pid files)."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        cmd = p.info["cmdline"] or []
-        if "rworker" in cmd and address in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
-            found.append(p)
-    return found
+def listeners(address: str) -> list[int]:
+    """Pids of processes listening on `address` (a leak check that does not trust pid files)."""
+    host, port = address.rsplit(":", 1)
+    return [c.pid for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == int(port)
+            and c.laddr.ip.removeprefix("::ffff:") in (host, "0.0.0.0", "::")]     # gRPC listens on v4-mapped v6
 
 
 def gone(pid: int) -> bool:
@@ -55,6 +53,7 @@ def test_api_start_kill_restart_stop(tmp_path):
         addresses, pids = fleet.addresses, fleet.pids
         assert len(set(addresses)) == 2 and all(a.startswith("127.0.0.1:") for a in addresses)
         assert [health(a) for a in addresses] == ["SERVING", "SERVING"]
+        assert [listeners(a) for a in addresses] == [[p] for p in pids]
         assert (run / "addresses.txt").read_text().strip() == ",".join(addresses)
         assert [int((run / f"worker-{i}.pid").read_text()) for i in range(2)] == pids
         assert json.loads((run / "fleet.json").read_text())["n"] == 2
@@ -197,6 +196,7 @@ def test_api_rejects_garbage(tmp_path, kwargs, message):
     (["start", "--kv-capacity", "12Q"], 1, "kv-capacity"),
     (["start", "--threads", "-1"], 1, "threads"),
     (["start", "--inventory", "/nonexistent/hosts.ini", "--wheelhouse", "/tmp"], 1, "not found"),
+    (["start", "--inventory", __file__, "--wheelhouse", "/nonexistent"], 1, "holds no fastdecode wheel"),
     (["frobnicate"], 2, "invalid choice"),
 ])
 def test_cli_rejects_garbage(tmp_path, args, rc, message):

@@ -42,6 +42,7 @@ def test_inventory_addresses(tmp_path):
                    "[cpu_b]\nnode-3 rworker_port=50099\n"
                    "[rworkers:children]\ncpu_a\ncpu_b\n[other]\nweb-1\n")
     assert inventory_addresses(str(inv)) == ["192.0.2.11:50061", "198.51.100.2:50061", "node-3:50099"]
+    assert inventory_addresses(str(inv), port=50100)[2] == "node-3:50100"     # --base-port overrides
     inv.write_text("[web]\nweb-1\n")
     with pytest.raises(FleetError, match=r"no hosts in group \[rworkers\]"):
         inventory_addresses(str(inv))
@@ -165,3 +166,31 @@ def test_dockerfile_copies_files_that_exist():
     assert (REPO / "deploy/ansible/roles/rworker/files/requirements.txt").is_file()
     image = _k8s()["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["image"]
     assert f"-t {image} " in text and 'ENTRYPOINT ["python", "-m", "rworker"]' in text
+
+
+@pytest.mark.slow
+def test_wheelhouse_installs_offline_and_serves(tmp_path):
+    """What the rworker role does on a host, done here: a venv filled from the wheelhouse
+    alone (no index, no pip config), then the installed R-worker serves outside the repo."""
+    from rworker.fleet import build_wheelhouse, free_port, health
+
+    wheels = build_wheelhouse(tmp_path / "wheels")
+    venv = tmp_path / "host" / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(wheels)}
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "-r", str(DEPLOY / "ansible/roles/rworker/files/requirements.txt")], env=env, check=True)
+    subprocess.run([*pip, "--no-deps", "fastdecode"], env=env, check=True)
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import rworker; print(rworker.__file__)"],
+                           cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    assert where.startswith(str(venv))
+    # The installed worker, started as the systemd unit starts it (outside the checkout).
+    port = free_port("127.0.0.1")
+    proc = subprocess.Popen([str(venv / "bin" / "python"), "-m", "rworker", "--listen", f"127.0.0.1:{port}",
+                             "--kv-capacity", "8M", "--threads", "1"], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "READY" in proc.stderr.readline() + proc.stderr.readline()
+        assert health(f"127.0.0.1:{port}", timeout=5) == "SERVING"
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0                 # SIGTERM drains and exits 0

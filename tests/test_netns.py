@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -76,12 +77,21 @@ def teardown(hosts: list[NetnsHost]) -> None:
         ip("link", "del", h.outer, check=False)
 
 
+def remove_stale() -> None:
+    """Namespaces this test left behind in a run that was killed (its pid is gone)."""
+    for name in ip("netns", "list", check=False).stdout.split():
+        m = re.fullmatch(r"fd(\d+)h\d+", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            teardown([NetnsHost(ns=name, outer=f"fd{m.group(1)}v{name.rsplit('h', 1)[1]}", outer_ip="", ip="")])
+
+
 @pytest.fixture(scope="module")
 def hosts() -> list[NetnsHost]:
     reason = why_not()
     if reason:
         pytest.skip(reason)
-    tag = f"fd{os.getpid() % 100000}"
+    remove_stale()
+    tag = f"fd{os.getpid()}"                    # veth names stay within 15 characters
     subnets = free_subnets(HOSTS)
     if len(subnets) < HOSTS:
         pytest.skip("no free /24 in 10.231.0.0/16 for the test hosts")

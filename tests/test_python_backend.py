@@ -439,6 +439,9 @@ def test_engine_crash_fails_requests_refuses_new_ones_and_unloads(host, tmp_path
     flag.write_text("")
     (_, error, final) = t.wait_final("s")[-1]
     assert final and error.code == UNAVAILABLE and "injected engine fault" in error.message
+    deadline = time.monotonic() + 5
+    while not t.unloaded and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert t.unloaded == 1 and not h.healthy
     h.submit("after", inputs(text_input="x"))
     (_, error, final), = t.sent["after"]

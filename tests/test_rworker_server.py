@@ -75,7 +75,7 @@ def stats(address: str, token: str = "") -> pb.StatsReply:
 def worker(tmp_path_factory):
     # Small pool and message limit so "over capacity" and "oversized" are cheap to reach.
     with local_fleet(1, tmp_path_factory.mktemp("rw"), kv_capacity="2M",
-                     extra_args=("--max-message-size", "4M")) as fleet:
+                     extra_args=("--max-message-size", "4M", "--max-sequences", "64")) as fleet:
         yield fleet.addresses[0]
 
 
@@ -134,6 +134,8 @@ def test_bad_input_gets_status_and_others_keep_their_cache(worker):
     assert code(bad.call(open=pb.Open(seq_ids=[2]))) == C.ALREADY_EXISTS
     assert code(bad.call(open=pb.Open(seq_ids=[-1]))) == C.INVALID_ARGUMENT
     assert code(bad.call(open=pb.Open(seq_ids=[1 << 41]))) == C.INVALID_ARGUMENT
+    assert code(bad.call(open=pb.Open(seq_ids=range(100, 200)))) == C.RESOURCE_EXHAUSTED  # --max-sequences
+    assert code(bad.call(close=pb.Close(seq_ids=range(70000)))) == C.INVALID_ARGUMENT     # ids per call
 
     q = rng.standard_normal((1, H, D)).astype(np.float32)
     kv = rng.standard_normal((1, HKV, D)).astype(np.float16)
@@ -222,6 +224,7 @@ def test_token_file_and_bad_cli_arguments(tmp_path):
 
     (tmp_path / "empty").write_text("\n")
     for args in (["--token-file", str(tmp_path / "empty")], ["--kv-capacity", "lots"], ["--threads", "-1"],
+                 ["--max-sequences", "0"], ["--listen", "256.1.1.1:99999"],
                  ["--tls-client-ca", str(tmp_path / "empty")], ["--tls-cert", str(tmp_path / "missing.crt")]):
         p = subprocess.run([sys.executable, "-m", "rworker", "--listen", "127.0.0.1:0", "--store", "numpy", *args],
                            capture_output=True, text=True, timeout=60)

@@ -343,3 +343,31 @@ def test_sls_against_fcfs_on_random_traffic():
 def test_paper_w_max():
     assert paper_w_max(1024, 1024, 8) == 1024 * 1032 // 2
     assert paper_w_max(3, 4, 1) == 8          # ceil(7.5)
+
+
+@FAST
+@given(inflight=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 20), st.integers(1, 40)), max_size=25),
+       extra=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 40)), min_size=1, max_size=5),
+       now=st.integers(0, 40), w_lim=st.integers(1, 400))
+def test_earliest_step_is_first_fitting_step(inflight, extra, now, w_lim):
+    """Mixed lengths: EARLIEST_STEP equals a scan of every start step, and peak()
+    equals the step-by-step maximum of the summed load curves."""
+    plan = LoadPlan()
+    inflight = [(min(start, now), p, g) for start, p, g in inflight]   # started by `now`
+    for i, (start, prompt, max_tokens) in enumerate(inflight):
+        if start + max_tokens - 1 >= now:          # still in flight at `now`
+            plan.add(start, [Candidate(i, prompt, max_tokens)])
+    cands = [Candidate(1000 + i, p, g) for i, (p, g) in enumerate(extra)]
+
+    def direct_peak(r):
+        old = {i: (s, p, g) for i, (s, p, g) in enumerate(inflight) if i in plan}
+        return max(sum(p + 1 + t - s for s, p, g in old.values() if s <= t <= s + g - 1)
+                   + sum(p + 1 + t - r for p, g in extra if t <= r + g - 1) for t in range(r, r + 80))
+
+    last = max([s + g for s, _, g in inflight] + [now])
+    brute = next((r for r in range(now, last + 1) if direct_peak(r) <= w_lim), None)
+    assert plan.earliest_step(now, cands, w_lim) == brute
+    assert plan.earliest_step(now, cands[:1], w_lim) == next(
+        (r for r in range(now, last + 1) if plan.peak(r, cands[:1]) <= w_lim), None)
+    for r in (now, now + 3, last):
+        assert plan.peak(r, cands) == direct_peak(r)

@@ -62,6 +62,19 @@ def _reply_error(address: str, reply: pb.Reply) -> Exception:
     return AttentionError(f"{msg} (status {code})")
 
 
+def _numpy(x: torch.Tensor) -> np.ndarray:
+    """A contiguous float32/float16 numpy view of a CPU tensor (bfloat16 widened to float32)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.device.type != "cpu":
+        raise ValueError(f"tensors must be on the CPU, got {x.device}")
+    if x.dtype not in (torch.float32, torch.float16):
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"expected float32, bfloat16 or float16, got {x.dtype}")
+        x = x.float()
+    return np.ascontiguousarray(x.detach().numpy())
+
+
 def _tensor(a: np.ndarray) -> pb.Tensor:
     return pb.Tensor(data=a.tobytes(), shape=a.shape, dtype=a.dtype.name)
 
@@ -75,6 +88,7 @@ class _Worker:
         self.configure, self.timeout = configure, timeout
         self.credentials, self.metadata, self.on_down = credentials, metadata, on_down
         self.lock = threading.Lock()
+        self.connect_lock = threading.Lock()
         self.up = False
         self.draining = False
         self.reason = "not connected yet"
@@ -88,6 +102,7 @@ class _Worker:
         self.kernel_s = 0.0
         self.calls = 0
         self.last_probe = 0.0
+        self.probing = False                   # a health check or reconnect is under way
 
     def _new_channel(self) -> grpc.Channel:
         options = [("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES),
@@ -169,11 +184,11 @@ class _Worker:
             oldest = next(iter(self.pending.values()), None)
         return oldest is not None and now - oldest[1] > self.timeout
 
-    def health(self) -> int:
+    def health_future(self):
         if self.channel is None:
             self.channel = self._new_channel()
         stub = health_pb2_grpc.HealthStub(self.channel)
-        return stub.Check(health_pb2.HealthCheckRequest(), timeout=min(self.timeout, 2.0)).status
+        return stub.Check.future(health_pb2.HealthCheckRequest(), timeout=min(self.timeout, 2.0))
 
     def close(self) -> None:
         with self.lock:
@@ -207,7 +222,8 @@ class _Group:
 class _Gather:
     """Collects the parts of one decode call into `out`; resolves `future` when all are in."""
 
-    def __init__(self, out: torch.Tensor, seq_ids: Sequence[int], parts: int, backend: "RemoteAttention") -> None:
+    def __init__(self, out: torch.Tensor, seq_ids: Sequence[int], parts: int, backend: "RemoteAttention",
+                 t0: float) -> None:
         self.out, self.out_np = out, out.numpy()
         self.seq_ids, self.backend = seq_ids, backend
         self.future: Future = Future()
@@ -216,8 +232,9 @@ class _Gather:
         self.lost_rows: list[np.ndarray] = []
         self.reason = ""
         self.error: Exception | None = None
-        self.kernel_s = 0.0
-        self.t0 = time.perf_counter()
+        self.kernel_s = 0.0                  # of the slowest part
+        self.handler_s = 0.0                 # that part's time in the worker's handler
+        self.t0 = t0                         # submit time: conversion and serialisation count as comm
 
     def lose(self, rows: np.ndarray, reason: str) -> None:
         with self.lock:
@@ -234,7 +251,8 @@ class _Gather:
             worker.kernel_s += reply.kernel_s
             worker.calls += 1
             with self.lock:
-                self.kernel_s = max(self.kernel_s, reply.kernel_s)
+                if reply.kernel_s >= self.kernel_s:
+                    self.kernel_s, self.handler_s = reply.kernel_s, reply.handler_s
         except WorkerLost as e:
             self.lose(rows, str(e))
         except Exception as e:  # noqa: BLE001 -- handed to the caller through the future
@@ -247,7 +265,7 @@ class _Gather:
             self.finish()
 
     def finish(self) -> None:
-        self.backend._account(time.perf_counter() - self.t0, self.kernel_s)
+        self.backend._account(time.perf_counter() - self.t0, self.kernel_s, self.handler_s)
         if self.error is not None:
             self.future.set_exception(self.error)
         elif self.lost_rows:
@@ -293,7 +311,7 @@ class RemoteAttention(AttentionBackend):
         self.lost_reason: dict[int, str] = {}
         self.seq_tokens: dict[int, int] = {}
         self._plans: dict[tuple, list] = {}
-        self.decode_calls, self.decode_wall_s, self.decode_kernel_s = 0, 0.0, 0.0
+        self.decode_calls, self.decode_wall_s, self.decode_kernel_s, self.decode_handler_s = 0, 0.0, 0.0, 0.0
         self.lost_total = 0
         self._stop = threading.Event()
 
@@ -311,15 +329,18 @@ class RemoteAttention(AttentionBackend):
 
     # ---- worker health ------------------------------------------------------------------
     def _try_connect(self, w: _Worker) -> bool:
-        w.last_probe = time.monotonic()
-        try:
-            w.connect()
-            return True
-        except (grpc.RpcError, AttentionError, ValueError, KeyError) as e:
-            if isinstance(e, grpc.RpcError):
-                w.reason = f"{e.code().name}: {e.details()}"
-            log.info("R-worker %s not connected: %s", w.address, w.reason)
-            return False
+        with w.connect_lock:                   # the monitor and open() may both try
+            if w.up:
+                return True
+            w.last_probe = time.monotonic()
+            try:
+                w.connect()
+                return True
+            except (grpc.RpcError, AttentionError, ValueError, KeyError) as e:
+                if isinstance(e, grpc.RpcError):
+                    w.reason = f"{e.code().name}: {e.details()}"
+                log.info("R-worker %s not connected: %s", w.address, w.reason)
+                return False
 
     def _worker_down(self, w: _Worker, reason: str) -> None:
         """A member is down: every sequence of its group is lost; free them on the other members."""
@@ -341,28 +362,45 @@ class RemoteAttention(AttentionBackend):
             log.warning("%d sequence(s) lost with R-worker %s", len(lost), w.address)
 
     def _monitor_loop(self) -> None:
+        """Deadlines of calls in flight, and health probes; never blocks on a worker."""
         tick = min(0.05, self.timeout / 10)
         while not self._stop.wait(tick):
             now = time.monotonic()
             for w in self.workers:
                 if w.up and w.overdue(now):
                     w.fail(w.generation, f"no reply within rworker_timeout_s={self.timeout:g} s")
-                elif not w.up and now - w.last_probe > PROBE_INTERVAL_S:
-                    self._probe(w)
-                elif w.up and now - w.last_probe > 5 * PROBE_INTERVAL_S:
+                elif not w.probing and now - w.last_probe > PROBE_INTERVAL_S * (1 if not w.up else 5):
                     self._probe(w)
 
     def _probe(self, w: _Worker) -> None:
-        w.last_probe = time.monotonic()
+        """Health check in the background: a down worker that serves again is reconnected,
+        an up one that stopped serving (draining) gets no new sequences."""
+        w.last_probe, w.probing = time.monotonic(), True
+
+        def done(fut) -> None:
+            try:
+                serving = fut.result().status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                w.probing = False
+                return
+            if w.up:
+                w.draining = not serving
+                w.probing = False
+            elif serving and not self._stop.is_set():
+                threading.Thread(target=self._reconnect, args=(w,), daemon=True).start()
+            else:
+                w.probing = False
+
         try:
-            status = w.health()
-        except grpc.RpcError:
-            return
-        serving = status == health_pb2.HealthCheckResponse.SERVING
-        if w.up:
-            w.draining = not serving
-        elif serving and not self._stop.is_set():
+            w.health_future().add_done_callback(done)
+        except Exception:  # noqa: BLE001 -- e.g. the channel closed during shutdown
+            w.probing = False
+
+    def _reconnect(self, w: _Worker) -> None:
+        try:
             self._try_connect(w)
+        finally:
+            w.probing = False
 
     def _revive_all(self) -> None:
         """Before giving up for lack of workers: one synchronous reconnect attempt each."""
@@ -492,12 +530,14 @@ class RemoteAttention(AttentionBackend):
         if not 0 <= layer < self.spec.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.spec.num_layers})")
 
-    def _kv_wire(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kv_format == "fp16" or x.dtype == torch.bfloat16:
-            return x.to(torch.float16 if self.kv_format == "fp16" else torch.float32)
-        return x
+    def _kv_wire(self, x: torch.Tensor) -> np.ndarray:
+        """k, v as sent: fp16 for an fp16 store (what it keeps anyway), else fp32/fp16 as given.
+        numpy casts: single-threaded and cheap, no trip through torch's thread pool."""
+        a = _numpy(x)
+        return a.astype(np.float16) if self.kv_format == "fp16" and a.dtype != np.float16 else a
 
     def submit_decode(self, layer, seq_ids, q, k, v) -> Future:
+        t0 = time.perf_counter()
         self._check_layer(layer)
         spec, b = self.spec, len(seq_ids)
         if q.shape != (b, spec.num_heads, spec.head_dim) or k.shape != (b, spec.num_kv_heads, spec.head_dim) \
@@ -505,9 +545,7 @@ class RemoteAttention(AttentionBackend):
             raise ValueError(f"decode: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match "
                              f"{b} sequences of {spec}")
         parts, lost_rows = self._plan(seq_ids)
-        q = q.to(torch.float16 if q.dtype == torch.float16 else torch.float32)
-        k, v = self._kv_wire(k), self._kv_wire(v)
-        qn, kn, vn = q.numpy(), k.numpy(), v.numpy()
+        qn, kn, vn = _numpy(q), self._kv_wire(k), self._kv_wire(v)
         if not (np.isfinite(qn).all() and np.isfinite(kn).all() and np.isfinite(vn).all()):
             raise ValueError("decode: q, k or v contain NaN or Inf")
         out = torch.empty(b, spec.num_heads, spec.head_dim, dtype=torch.float32)
@@ -521,7 +559,7 @@ class RemoteAttention(AttentionBackend):
                 whole_chunk = whole and len(r) == b
                 for w, hq, hk in zip(g.workers, self.q_heads, self.kv_heads):
                     sends.append((w, r, r_ids, hq, hk, whole_chunk))
-        gather = _Gather(out, seq_ids, len(sends), self)
+        gather = _Gather(out, seq_ids, len(sends), self, t0)
         if len(lost_rows):
             ids = [seq_ids[i] for i in lost_rows]
             gather.lose(lost_rows, "; ".join(sorted({self.lost_reason.get(s, "lost") for s in ids}))[:500])
@@ -558,7 +596,7 @@ class RemoteAttention(AttentionBackend):
         if len(lost_rows):
             ids = [seq_ids[i] for i in lost_rows]
             raise SequencesLost(ids, self.lost_reason.get(ids[0], "lost"))
-        kn, vn = self._kv_wire(k).numpy(), self._kv_wire(v).numpy()
+        kn, vn = self._kv_wire(k), self._kv_wire(v)
         if not (np.isfinite(kn).all() and np.isfinite(vn).all()):
             raise ValueError("prefill: k or v contain NaN or Inf")
         starts = np.concatenate([[0], np.cumsum(lens)])
@@ -617,11 +655,12 @@ class RemoteAttention(AttentionBackend):
             yield chunk_ids, chunk_lens, np.concatenate(chunk_tok)
 
     # ---- bookkeeping --------------------------------------------------------------------
-    def _account(self, wall_s: float, kernel_s: float) -> None:
+    def _account(self, wall_s: float, kernel_s: float, handler_s: float) -> None:
         with self.lock:
             self.decode_calls += 1
             self.decode_wall_s += wall_s
             self.decode_kernel_s += kernel_s
+            self.decode_handler_s += handler_s
 
     def stats(self) -> dict:
         spec = self.spec
@@ -637,6 +676,7 @@ class RemoteAttention(AttentionBackend):
                     "capacity_bytes": sum(w.capacity_bytes for w in self.workers if w.up),
                     "lost_sequences": self.lost_total, "decode_calls": self.decode_calls,
                     "decode_wall_s": self.decode_wall_s, "decode_kernel_s": self.decode_kernel_s,
+                    "decode_handler_s": self.decode_handler_s,
                     "workers": workers}
 
     def shutdown(self) -> None:

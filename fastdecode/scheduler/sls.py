@@ -29,7 +29,11 @@ Admission at step t (FCFS, a prefix of `waiting`):
 Derived settings (config value 0):
 - S (sls_target_len = 0): mean max_len of the requests admitted so far (of the
   waiting head before the first admission).
-- W_lim (sls_w_lim = 0): the paper's W'_max = ceil(B*(S+F)/2), B = max_running.
+- W_lim (sls_w_lim = 0): the steady-state peak of the staggered schedule,
+  ceil(B*(S+P+F)/2), B = max_running, P = mean prompt length of the requests
+  admitted so far (a sequence never holds less than its prompt). With P = 0 this
+  is the paper's W'_max = B*(S+F)/2; without the P term requests with prompts
+  would be held below B sequences in flight.
 - micro-batch cap: none by default (0): the prefix is bounded by capacity and
   W_lim only, so short or early-finishing requests are replaced at once.
   With a cap of ceil(B*F/S) the schedule is the paper's M-every-F exactly.
@@ -148,36 +152,56 @@ class LoadPlan:
 
     def earliest_step(self, now: int, extra: Sequence[Candidate], w_lim: int) -> int | None:
         """EARLIEST_STEP: first step r >= now at which admitting `extra` keeps the peak
-        <= w_lim, assuming everything in flight runs to its end; None if `extra`
-        alone exceeds w_lim.
+        <= w_lim, if everything in flight runs to its end; None if `extra` alone
+        exceeds w_lim. Never later than the step after the last end in flight.
 
-        Between consecutive "events" (an old end leaving, a new request's end crossing
-        an old end) the set of overlaps is fixed and every constraint only relaxes as
-        r grows, so fits(r) is monotone inside each interval: binary search there."""
+        Fits(r) is not monotone in r for mixed lengths (a later start can overlap a
+        later, higher end), so every r is examined: one request in O(H + D) with a
+        sliding-window maximum (H = steps to the last end), several in O(H * D)."""
         if not extra:
             return now
-        last = self._ends[-1] + 1 if self._ends else now
-        if self.peak(max(now, last), extra) > w_lim:
+        if LoadPlan().peak(0, extra) > w_lim:
             return None
-        lengths = {c.max_tokens for c in extra}
-        events = {now, max(now, last)}
-        for e in self._ends:
-            events.add(e + 1)
-            events.update(e - g + 1 for g in lengths)  # a new request starts overlapping end e
-        events = sorted(x for x in events if now <= x <= max(now, last))
-        for a, b in zip(events, events[1:] + [events[-1] + 1]):
-            hi = b - 1
-            if self.peak(hi, extra) > w_lim:
-                continue
-            lo = a
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if self.peak(mid, extra) <= w_lim:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            return lo
-        return max(now, last)
+        if not self._ends or self._ends[-1] < now:
+            return now
+        last = self._ends[-1]
+        if len(extra) > 1:
+            return next(r for r in range(now, last + 2) if self.peak(r, extra) <= w_lim)
+        # One request (p, g) started at r holds p + 1 + t - r at t in [r, r + g - 1], so it
+        # fits iff max over that window of (load_old(t) + t) <= w_lim - p - 1 + r.
+        p, g = extra[0].prompt_len, extra[0].max_tokens
+        loads = self._loads(now, last)
+        f = [x + now + i for i, x in enumerate(loads)]   # load_old(t) + t, t = now + i
+        over = [False] * (len(loads) + 1)                # old load alone above w_lim at some t >= now + i
+        for i in range(len(loads) - 1, -1, -1):
+            over[i] = over[i + 1] or loads[i] > w_lim
+        window: deque[int] = deque()                   # indices of f, values decreasing
+        right = 0
+        for r in range(now, last + 2):
+            while right < len(f) and right <= r - now + g - 1:
+                while window and f[window[-1]] <= f[right]:
+                    window.pop()
+                window.append(right)
+                right += 1
+            while window and window[0] < r - now:
+                window.popleft()
+            if not over[r - now] and (not window or f[window[0]] + p + 1 - r <= w_lim):
+                return r
+        return last + 1
+
+    def _loads(self, first: int, last: int) -> list[int]:
+        """load_at(t) for t = first..last in one backward pass."""
+        out = [0] * (last - first + 1)
+        i = len(self._ends) - 1
+        n = k = 0
+        for t in range(last, first - 1, -1):
+            while i >= 0 and self._ends[i] >= t:
+                cnt, sk = self._by_end[self._ends[i]]
+                n += cnt
+                k += sk
+                i -= 1
+            out[t - first] = k + t * n
+        return out
 
     def stats(self, now: int) -> dict:
         return {"in_flight": len(self._req), "load_now": self.load_at(now), "predicted_peak": self.peak(now),
@@ -192,9 +216,10 @@ def _shape(c: Candidate, start: int) -> tuple[int, int]:
     return c.prompt_len + 1 - start, start + c.max_tokens - 1
 
 
-def paper_w_max(batch: int, target_len: int, f: int) -> int:
-    """W'_max = B*(S+F)/2 (PAPER.md), rounded up."""
-    return -(-batch * (target_len + f) // 2)
+def paper_w_max(batch: int, target_len: int, f: int, prompt_len: int = 0) -> int:
+    """Steady-state peak of B sequences of length S (P of them prompt) staggered every F
+    steps: sum_k M*(P + k*F) = B*(S+P+F)/2, rounded up; with P = 0 the paper's W'_max."""
+    return -(-batch * (target_len + prompt_len + f) // 2)
 
 
 class SLSScheduler(Scheduler):
@@ -219,6 +244,7 @@ class SLSScheduler(Scheduler):
         self._len_sum = 0                 # for the derived S: sum and count of admitted max_len
         self._len_count = 0
         self._tok_sum = 0
+        self._prompt_sum = 0
         self._lifetimes: deque[int] = deque(maxlen=256)   # steps run by recently finished requests
         self._blocked_head: Candidate | None = None
 
@@ -237,10 +263,16 @@ class SLSScheduler(Scheduler):
         head = waiting[: self.max_running]
         return max(1, round(sum(c.max_len for c in head) / len(head))) if head else 1
 
+    def prompt_len(self, waiting: Sequence[Candidate] = ()) -> int:
+        if self._len_count:
+            return round(self._prompt_sum / self._len_count)
+        head = waiting[: self.max_running]
+        return round(sum(c.prompt_len for c in head) / len(head)) if head else 0
+
     def w_lim(self, waiting: Sequence[Candidate] = ()) -> int:
         if self.fixed_w_lim:
             return self.fixed_w_lim
-        return paper_w_max(self.max_running, self.target_len(waiting), self.f)
+        return paper_w_max(self.max_running, self.target_len(waiting), self.f, self.prompt_len(waiting))
 
     def micro_batch_size(self, waiting: Sequence[Candidate] = ()) -> int:
         """M = ceil(B*F/S'), S' = steps a request occupies a batch slot: the mean of
@@ -304,10 +336,11 @@ class SLSScheduler(Scheduler):
         self._len_sum += sum(c.max_len for c in admitted)
         self._len_count += len(admitted)
         self._tok_sum += sum(c.max_tokens for c in admitted)
+        self._prompt_sum += sum(c.prompt_len for c in admitted)
 
     def on_finished(self, step: int, request_id: int, generated_tokens: int) -> None:
         if request_id in self.plan:
-            pass
+            self.plan.remove(request_id)
             self._lifetimes.append(max(1, generated_tokens))
 
     def stats(self) -> dict:

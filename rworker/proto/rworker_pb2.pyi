@@ -85,18 +85,20 @@ class Request(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., configure: _Optional[_Union[Configure, _Mapping]] = ..., open: _Optional[_Union[Open, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ...) -> None: ...
 
 class Reply(_message.Message):
-    __slots__ = ("call_id", "code", "message", "o", "kernel_s")
+    __slots__ = ("call_id", "code", "message", "o", "kernel_s", "handler_s")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     O_FIELD_NUMBER: _ClassVar[int]
     KERNEL_S_FIELD_NUMBER: _ClassVar[int]
+    HANDLER_S_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     code: int
     message: str
     o: Tensor
     kernel_s: float
-    def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., o: _Optional[_Union[Tensor, _Mapping]] = ..., kernel_s: _Optional[float] = ...) -> None: ...
+    handler_s: float
+    def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., o: _Optional[_Union[Tensor, _Mapping]] = ..., kernel_s: _Optional[float] = ..., handler_s: _Optional[float] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,165 @@
+"""Decode step time of the default model: remote backend (2 local R-workers over loopback)
+versus the in-process local backend, in one run; and the share of the remote attention
+time spent outside the kernel.
+
+    make bench-rworker            # or: python bench/bench_rworker.py [--batches 128 512] [--context N]
+
+Each batch: open B sequences, fill their KV with `context` tokens of synthetic k, v per
+layer (prefilling real prompts on 2 CPU cores would take minutes and does not change
+what a decode step costs), then time `steps` decode steps of the real model (S-Part in
+torch, R-Part in the backend, two ping-pong mini-batches). Figures are medians over steps.
+
+comm_share (remote only) = 1 - sum(kernel_s) / sum(call_s) over every decode attention call,
+where call_s is the wall time from submit_decode() until its future resolves (conversion,
+serialisation, transport both ways, queueing on the worker, deserialisation) and kernel_s is
+the time the slowest worker of that call spent inside KVStore.decode, measured on the
+worker and returned in the reply. It is measured twice: in the pipelined run (the other
+mini-batch's S-Part competes with the workers for the same 2 cores, so "waiting" includes
+CPU contention), and with one mini-batch (`comm_share_unpipelined`), where the S-worker idles
+during each call and the share is serialisation + transport + worker-side overhead alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fastdecode.attention import create_backend  # noqa: E402
+from fastdecode.attention.base import KVSpec  # noqa: E402
+from fastdecode.config import DEFAULT_MODEL_DIR, EngineConfig  # noqa: E402
+from fastdecode.engine.model_runner import ModelRunner  # noqa: E402
+from fastdecode.model.loader import load_model  # noqa: E402
+from rworker.testing import local_fleet  # noqa: E402
+
+RESULT = ROOT / "bench" / "results" / "rworker.json"
+
+
+def fill_kv(backend, spec: KVSpec, seq_ids: list[int], context: int, gen: torch.Generator) -> None:
+    backend.open(seq_ids)
+    chunk = max(1, 16384 // context)                      # sequences per prefill call
+    for a in range(0, len(seq_ids), chunk):
+        ids = seq_ids[a:a + chunk]
+        for layer in range(spec.num_layers):
+            k = torch.randn(len(ids) * context, spec.num_kv_heads, spec.head_dim, generator=gen)
+            v = torch.randn(len(ids) * context, spec.num_kv_heads, spec.head_dim, generator=gen)
+            backend.prefill(layer, ids, [context] * len(ids), k, v)
+
+
+def time_decode(model, backend, spec, batch: int, context: int, steps: int, minibatches: int,
+                warmup: int = 2) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    seq_ids = list(range(1, batch + 1))
+    fill_kv(backend, spec, seq_ids, context, gen)
+    runner = ModelRunner(model, backend, "cpu", minibatches)
+    tokens = torch.randint(0, model.args.vocab_size, (batch,), generator=gen).tolist()
+    times, r_busy, s_wait = [], [], []
+    before = backend.stats()
+    for step in range(warmup + steps):
+        if step == warmup:
+            before = backend.stats()
+        positions = [context + step] * batch
+        from fastdecode.engine.model_runner import StepTimes
+        runner.times = StepTimes()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            res = runner.decode(seq_ids, tokens, positions)
+        dt = time.perf_counter() - t
+        assert not res.lost and not res.out_of_kv, "a benchmark step lost sequences"
+        tokens = res.logits.argmax(-1).tolist()
+        if step >= warmup:
+            times.append(dt)
+            r_busy.append(runner.times.r_busy())
+            s_wait.append(runner.times.s_wait)
+    after = backend.stats()
+    backend.close(seq_ids)
+    out = {"step_s": statistics.median(times), "step_s_all": [round(x, 4) for x in times],
+           "r_busy_s": statistics.median(r_busy), "s_wait_s": statistics.median(s_wait)}
+    if "decode_calls" in after:
+        calls = after["decode_calls"] - before["decode_calls"]
+        wall = after["decode_wall_s"] - before["decode_wall_s"]
+        kernel = after["decode_kernel_s"] - before["decode_kernel_s"]
+        out.update(calls=calls, call_ms=1e3 * wall / calls, kernel_ms=1e3 * kernel / calls,
+                   comm_share=1.0 - kernel / wall)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--batches", type=int, nargs="+", default=[128, 512])
+    p.add_argument("--context", type=int, default=256, help="tokens of KV per sequence before timing")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--out", default=str(RESULT))
+    args = p.parse_args()
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    loaded = load_model(args.model, "float32", "cpu", 0)
+    model, a = loaded.model, loaded.args
+    spec = KVSpec(a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim)
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+    need = int(max(args.batches) * (args.context + 16) * per_token * 1.25) + (64 << 20)
+    base = EngineConfig(model=args.model, kv_capacity_bytes=need, kernel_threads=0)
+    results = {}
+    for b in args.batches:
+        local = create_backend(base.replace(attention="local"), spec)
+        try:
+            results[f"local_b{b}"] = time_decode(model, local, spec, b, args.context, args.steps, 2)
+        finally:
+            local.shutdown()
+        print(f"local  B={b}: {results[f'local_b{b}']['step_s'] * 1e3:.1f} ms/step", flush=True)
+    # Each worker gets an equal share of the cores the local kernel had.
+    with local_fleet(args.workers, tempfile.mkdtemp(prefix="bench_rworker_"), kv_capacity=need // args.workers + (64 << 20),
+                     threads=max(1, (os.cpu_count() or 1) // args.workers)) as fleet:
+        remote = create_backend(base.replace(attention="remote", rworkers=fleet.addresses, rworker_timeout_s=60.0), spec)
+        try:
+            for b in args.batches:
+                r = results[f"remote_b{b}"] = time_decode(model, remote, spec, b, args.context, args.steps, 2)
+                u = time_decode(model, remote, spec, b, args.context, max(3, args.steps // 2), 1)
+                r["comm_share_unpipelined"] = u["comm_share"]
+                r["call_ms_unpipelined"], r["kernel_ms_unpipelined"] = u["call_ms"], u["kernel_ms"]
+                print(f"remote B={b}: {r['step_s'] * 1e3:.1f} ms/step, comm_share {r['comm_share']:.3f} "
+                      f"(unpipelined {u['comm_share']:.3f}; call {u['call_ms']:.2f} ms, kernel {u['kernel_ms']:.2f} ms)",
+                      flush=True)
+        finally:
+            remote.shutdown()
+    ratios = {b: results[f"remote_b{b}"]["step_s"] / results[f"local_b{b}"]["step_s"] for b in args.batches}
+    summary = {
+        "bench": "rworker",
+        "model": Path(args.model).name,
+        "context_tokens": args.context,
+        "steps_timed": args.steps,
+        "rworkers": args.workers,
+        "machine": {"cpus": os.cpu_count(), "torch_threads": threads, "python": platform.python_version()},
+        "remote_over_local_step_time": {str(b): round(r, 3) for b, r in ratios.items()},
+        "comm_share": {str(b): round(results[f"remote_b{b}"]["comm_share"], 3) for b in args.batches},
+        "comm_share_unpipelined": {str(b): round(results[f"remote_b{b}"]["comm_share_unpipelined"], 3)
+                                   for b in args.batches},
+        "comm_share_definition": "1 - sum(kernel_s)/sum(call_s) over decode attention calls; call_s = submit_decode() "
+                                 "to future resolved (S-worker side), kernel_s = slowest worker's KVStore.decode time "
+                                 "(measured on the worker, sent back in the reply). 'unpipelined' = one mini-batch, "
+                                 "no S-Part running during the calls.",
+        "target_comm_share": 0.15,
+        "runs": results,
+    }
+    for b in args.batches:
+        print(f"B={b}: remote/local step time = {ratios[b]:.2f}x, comm_share = {summary['comm_share'][str(b)]:.3f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
