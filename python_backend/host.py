@@ -180,6 +180,8 @@ class EngineHost:
             self.transport.log("warn", f"fastdecode: send failed for {live.request_id} ({e}); aborting it")
             if not out.finished:
                 self._abort(live)
+        if out.finished:
+            live.sender = None      # Triton frees the request's response factory with the sender
 
     def _finish(self, live: Live) -> None:
         live.done = True

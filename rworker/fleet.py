@@ -7,8 +7,9 @@ host of the inventory's `rworkers` group (deploy/ansible/rworkers.yml).
 
 CLI:
     python -m rworker.fleet start  --n N --run-dir DIR [--base-port P] [--kv-capacity SIZE]
-                                   [--threads T] [--host H] [--inventory FILE] [-- RWORKER_ARGS...]
-    python -m rworker.fleet stop   --run-dir DIR [--inventory FILE]
+                                   [--threads T] [--host H] [--timeout S] [-- RWORKER_ARGS...]
+    python -m rworker.fleet start  --inventory FILE --run-dir DIR [--wheelhouse DIR] [--check] [...]
+    python -m rworker.fleet stop   --run-dir DIR [--inventory FILE [--check]] [--timeout S]
     python -m rworker.fleet status --run-dir DIR
 `start` prints the comma-separated addresses on stdout (and writes DIR/addresses.txt),
 usable as EngineConfig.rworkers / FASTDECODE_RWORKERS. Starting a running fleet again
