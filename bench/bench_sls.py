@@ -3,19 +3,21 @@ against measured step times.
 
     make bench-sls          # or: python bench/bench_sls.py [--quick] [--configs default rheavy 7b]
 
-For each configuration: the same workload (n = cohorts * B requests of `prompt` tokens
-generating exactly `gen` tokens, ignore_eos, all queued at once) runs under fcfs and
-under sls on one engine configuration; the per-step trace gives
+For each configuration: the same workload (2*B + 1 requests of `prompt` tokens generating
+exactly `gen` tokens, ignore_eos, all queued at once) runs under fcfs and under sls, on two
+engines stepped in turn (background load on this shared 2-core machine hits both alike;
+each engine has its own R-workers). From the per-step traces:
   - steady state: the steps after the first `gen` (ramp-up) while requests are still
-    queued (the system is saturated). FCFS's cohorts grow together, SLS's micro-batches
-    are staggered;
-  - steady_max_step_latency_ratio = max step time (sls) / max step time (fcfs) in steady
-    state; the max is taken over a rolling median of 5 steps so that one descheduled
-    step on this shared machine is not "the max" (the raw max ratio is reported too);
+    queued (the system is saturated), cut to the same length for both policies. FCFS's
+    cohort grows together, SLS's micro-batches are staggered;
+  - steady_max_step_latency_ratio = sls / fcfs of the steady max step latency, taken as
+    the median step time over the steady decode steps at >= 90% of the run's peak
+    context (one step stalled by another process is not "the max"); the raw max, p99
+    and max-of-rolling-median ratios are reported beside it;
   - throughput_ratio = steady tokens/s (sls) / steady tokens/s (fcfs).
-Then the perf model (fastdecode.perfmodel: T(B), H(B), R measured by micro-benchmarks in
-this run) predicts the step time of engine decode steps at B in {32, 128, 512};
-model_error_max = max |predicted - measured| / measured.
+Then the perf model (fastdecode.perfmodel: T(B), H(B) from micro-benchmarks of the model's
+layer code, R through the same backend) predicts the step time of engine decode steps at
+B in {32, 128, 512}; model_error_max = max |predicted - measured| / measured.
 
 Configurations:
   default  models/smollm2-135m-instruct, the remote backend with 2 local R-workers (1 kernel
@@ -50,8 +52,22 @@ from fastdecode.perfmodel import PerfModel, build_perf_model  # noqa: E402
 from fastdecode.trace import summarize  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
+SMOOTH = 9              # steps of the rolling median in the plot and the secondary max
+PEAK_FRACTION = 0.9     # steady max = median step time at >= 90% of the peak context
 PAPER = {"steady_max_step_latency_ratio": [0.66, 0.70], "throughput_gain": [0.08, 0.11]}
 TARGETS = {"steady_max_step_latency_ratio": 0.75, "throughput_ratio": 1.05, "model_error_max": 0.20}
+
+
+def peak_load_step(steady: list[dict], frac: float = PEAK_FRACTION) -> float | None:
+    """The steady max step latency, robust to noise: the median step time over the
+    steady steps whose context is within `frac` of the run's steady peak context. Step
+    time follows the context in flight; single steps stalled by other processes on this
+    shared machine do not decide it."""
+    decode = [r for r in steady if not r["num_prefill"]] or steady
+    if not decode:
+        return None
+    top = max(r["context_tokens"] for r in decode)
+    return statistics.median(r["step_time"] for r in decode if r["context_tokens"] >= frac * top)
 
 
 def rolling_median(xs: list[float], k: int = 5) -> list[float]:
@@ -74,20 +90,53 @@ def start_backend(stack: ExitStack, kind: str, workers: int, kv_bytes: int) -> t
         "local: in-process kernel, 1 thread"
 
 
+def add_workload(engine, n: int, prompt: int, gen: int) -> None:
+    from fastdecode.engine import SamplingParams
+
+    vocab = engine.args.vocab_size
+    params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
+    for i in range(n):
+        engine.add_request([(17 * i + 31 * j) % (vocab - 1) + 1 for j in range(prompt)], params)
+
+
+def start_backends(stack: ExitStack, kind: str, workers: int, kv_bytes: int) -> tuple[dict, str]:
+    """One R-Part per policy (two engines run side by side; R-workers key KV by sequence id)."""
+    fcfs, desc = start_backend(stack, kind, workers, kv_bytes)
+    sls, _ = start_backend(stack, kind if fcfs["attention"] == "remote" else "local", workers, kv_bytes)
+    return {"fcfs": fcfs, "sls": sls}, desc + " (one such set per policy)"
+
+
 def run_workload(config: EngineConfig, n: int, prompt: int, gen: int) -> list[dict]:
-    from fastdecode.engine import Engine, SamplingParams
+    from fastdecode.engine import Engine
 
     engine = Engine(config)
     try:
-        vocab = engine.args.vocab_size
-        params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
-        for i in range(n):
-            engine.add_request([(17 * i + 31 * j) % (vocab - 1) + 1 for j in range(prompt)], params)
+        add_workload(engine, n, prompt, gen)
         while engine.has_unfinished():
             engine.step()
         return list(engine.trace)
     finally:
         engine.stop()
+
+
+def run_interleaved(configs: dict[str, EngineConfig], n: int, prompt: int, gen: int) -> dict[str, list[dict]]:
+    """The same workload on one engine per config, stepped in turn: background load on
+    this shared machine hits every policy alike."""
+    from fastdecode.engine import Engine
+
+    engines = {}
+    try:
+        for name, cfg in configs.items():
+            engines[name] = Engine(cfg)
+            add_workload(engines[name], n, prompt, gen)
+        while any(e.has_unfinished() for e in engines.values()):
+            for e in engines.values():
+                if e.has_unfinished():
+                    e.step()
+        return {name: list(e.trace) for name, e in engines.items()}
+    finally:
+        for e in engines.values():
+            e.stop()
 
 
 def steady_window(trace: list[dict], n: int, gen: int) -> tuple[int, int]:
@@ -100,49 +149,77 @@ def steady_window(trace: list[dict], n: int, gen: int) -> tuple[int, int]:
     return min(gen, last), max(last, min(gen, last))
 
 
-def compare(name: str, base: EngineConfig, n: int, prompt: int, gen: int, f: int) -> dict:
+def compare(name: str, backends: dict[str, dict], base: EngineConfig, n: int, prompt: int, gen: int, f: int) -> dict:
+    """FCFS and SLS interleaved on the same workload. Steady windows are cut to the same
+    length (the shorter of the two), so neither max is taken over more steps."""
+    t = time.perf_counter()
+    configs = {p: base.replace(scheduler=p, sls_f=f, **backends[p]) for p in ("fcfs", "sls")}
+    traces = run_interleaved(configs, n, prompt, gen)
+    wall = time.perf_counter() - t
+    windows = {p: steady_window(traces[p], n, gen) for p in traces}
+    length = min(b - a for a, b in windows.values())
     runs = {}
-    for policy in ("fcfs", "sls"):
-        cfg = base.replace(scheduler=policy, sls_f=f)
-        t = time.perf_counter()
-        trace = run_workload(cfg, n, prompt, gen)
-        first, last = steady_window(trace, n, gen)
+    for policy, trace in traces.items():
+        first = windows[policy][0]
+        last = first + length
         s = summarize(trace, warmup=first, cooldown=len(trace) - last)
-        steady = [r["step_time"] for r in trace[first:last]]
-        smooth = rolling_median(steady)
+        steady = trace[first:last]
+        smooth = rolling_median([r["step_time"] for r in steady], SMOOTH)
         runs[policy] = {"summary": s, "steady_window": [first, last],
                         "steady_max_step_s_smoothed": max(smooth) if smooth else None,
-                        "wall_s": time.perf_counter() - t,
+                        "steady_peak_load_step_s": peak_load_step(steady),
                         "trace": [{k: r[k] for k in ("step", "batch_size", "num_prefill", "context_tokens",
                                                      "step_time", "s_time", "r_time", "s_wait")}
                                   for r in trace]}
         st = s.get("steady", {})
-        print(f"[{name}] {policy}: {len(trace)} steps in {runs[policy]['wall_s']:.0f} s; steady {first}..{last}: "
-              f"max step {st.get('max_step_time_s', 0) * 1e3:.1f} ms (smoothed "
-              f"{(runs[policy]['steady_max_step_s_smoothed'] or 0) * 1e3:.1f}), "
-              f"{st.get('throughput_tok_s', 0):.1f} tok/s, max context {st.get('max_context_tokens')}", flush=True)
+        print(f"[{name}] {policy}: {len(trace)} steps; steady {first}..{last}: "
+              f"max step {st.get('max_step_time_s', 0) * 1e3:.1f} ms (rolling median "
+              f"{(runs[policy]['steady_max_step_s_smoothed'] or 0) * 1e3:.1f}, at peak load "
+              f"{(runs[policy]['steady_peak_load_step_s'] or 0) * 1e3:.1f}), p50 "
+              f"{st.get('p50_step_time_s', 0) * 1e3:.1f} ms, {st.get('throughput_tok_s', 0):.1f} tok/s, "
+              f"max context {st.get('max_context_tokens')}", flush=True)
     f_s, s_s = runs["fcfs"]["summary"].get("steady"), runs["sls"]["summary"].get("steady")
     out = {"workload": {"requests": n, "prompt_tokens": prompt, "gen_tokens": gen, "sls_f": f,
-                        "max_running": base.max_running}, "runs": runs}
+                        "max_running": base.max_running}, "wall_s": wall, "runs": runs}
     if f_s and s_s:
         out.update(
-            steady_max_step_latency_ratio=runs["sls"]["steady_max_step_s_smoothed"]
+            steady_max_step_latency_ratio=runs["sls"]["steady_peak_load_step_s"]
+            / runs["fcfs"]["steady_peak_load_step_s"],
+            steady_max_step_latency_ratio_rolling_median=runs["sls"]["steady_max_step_s_smoothed"]
             / runs["fcfs"]["steady_max_step_s_smoothed"],
             steady_max_step_latency_ratio_raw=s_s["max_step_time_s"] / f_s["max_step_time_s"],
+            steady_p99_step_latency_ratio=s_s["p99_step_time_s"] / f_s["p99_step_time_s"],
             steady_p50_step_latency_ratio=s_s["p50_step_time_s"] / f_s["p50_step_time_s"],
             throughput_ratio=s_s["throughput_tok_s"] / f_s["throughput_tok_s"],
             whole_run_throughput_ratio=runs["sls"]["summary"]["throughput_tok_s"]
             / runs["fcfs"]["summary"]["throughput_tok_s"],
             steady_max_context_ratio=s_s["max_context_tokens"] / f_s["max_context_tokens"])
         print(f"[{name}] sls/fcfs: steady max step {out['steady_max_step_latency_ratio']:.3f} "
-              f"(raw {out['steady_max_step_latency_ratio_raw']:.3f}), throughput {out['throughput_ratio']:.3f}, "
-              f"max context {out['steady_max_context_ratio']:.3f}", flush=True)
+              f"(raw {out['steady_max_step_latency_ratio_raw']:.3f}, p99 {out['steady_p99_step_latency_ratio']:.3f}, "
+              f"max rolling median {out['steady_max_step_latency_ratio_rolling_median']:.3f}), "
+              f"throughput {out['throughput_ratio']:.3f}, max context {out['steady_max_context_ratio']:.3f}", flush=True)
     return out
 
 
-def model_check(pm: PerfModel, base: EngineConfig, batches: list[int], prompt: int, gen: int,
-                workers: int) -> dict:
-    """Engine decode steps at full batch B vs pm.step_time(B, context) (S and R share the cores)."""
+def perf_model_for(model: str, base: EngineConfig, batches, contexts, repeats: int) -> PerfModel:
+    """T(B), H(B) from the model's layer code; R through the same backend the engine uses
+    (for the remote one: gRPC transport to both R-workers included)."""
+    from fastdecode.attention import KVSpec, create_backend
+    from fastdecode.model.llama import ModelArgs
+    from transformers import AutoConfig
+
+    a = ModelArgs.from_hf(AutoConfig.from_pretrained(model))
+    backend = create_backend(base, KVSpec(a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim))
+    try:
+        return build_perf_model(model, "cpu", "float32", batches=batches, contexts=contexts, repeats=repeats,
+                                backend=backend)
+    finally:
+        backend.shutdown()
+
+
+def model_check(pm: PerfModel, base: EngineConfig, batches: list[int], prompt: int, gen: int) -> dict:
+    """Engine decode steps at full batch B vs pm.step_time(B, context): S and R share this
+    machine's cores (no overlap); R was measured through the whole backend (workers=1)."""
     out = {}
     for b in batches:
         cfg = base.replace(scheduler="fcfs", max_running=b, max_prefill_tokens=max(4096, b * prompt))
@@ -153,7 +230,7 @@ def model_check(pm: PerfModel, base: EngineConfig, batches: list[int], prompt: i
             continue
         measured = statistics.median(r["step_time"] for r in decode)
         ctx = statistics.median(r["context_tokens"] for r in decode)
-        predicted = pm.step_time(b, ctx, workers, cfg.num_minibatches, overlap=False)
+        predicted = pm.step_time(b, ctx, 1, cfg.num_minibatches, overlap=False)
         out[str(b)] = {"measured_step_s": measured, "predicted_step_s": predicted, "context_tokens": ctx,
                        "steps": len(decode), "rel_error": abs(predicted - measured) / measured}
         print(f"model check B={b}: measured {measured * 1e3:.1f} ms, predicted {predicted * 1e3:.1f} ms "
@@ -177,7 +254,7 @@ def plot(results: dict, path: Path) -> None:
             steps = [r["step"] - run["trace"][0]["step"] for r in run["trace"]]
             lat = [r["step_time"] * 1e3 for r in run["trace"]]
             ax.plot(steps, lat, color=color, lw=0.6, alpha=0.35)
-            ax.plot(steps, rolling_median([x for x in lat]), color=color, lw=1.4, label=f"{policy}")
+            ax.plot(steps, rolling_median(lat, SMOOTH), color=color, lw=1.4, label=f"{policy}")
             a, b = run["steady_window"]
             ax.axvspan(a, b, color=color, alpha=0.05)
         ratio = res.get("steady_max_step_latency_ratio")
@@ -213,38 +290,33 @@ def main() -> int:
     with ExitStack() as stack:
         if "default" in args.configs:
             model = str(DEFAULT_MODEL_DIR)
-            B, prompt, gen, f = (16, 16, 48, 8) if q else (32, 32, 192, 16)
-            kvb = kv_bytes(30, 3, 64, max(512, 3 * B) * (prompt + gen + 8) + 512 * 16)
-            backend, desc = start_backend(stack, args.backend, workers, kvb)
-            base = EngineConfig(model=model, max_running=B, max_prefill_tokens=B * prompt, **backend)
+            B, prompt, gen, f = (16, 16, 48, 8) if q else (32, 32, 128, 8)
+            kvb = kv_bytes(30, 3, 64, max(512 * 16, (2 * B + 1) * (prompt + gen + 8)) + 65536 // 30)
+            backends, desc = start_backends(stack, args.backend, workers, kvb)
+            base = EngineConfig(model=model, max_running=B, max_prefill_tokens=B * prompt, **backends["fcfs"])
             res = results["default"] = {"model": "smollm2-135m-instruct", "backend": desc}
-            res.update(compare("default", base, 3 * B, prompt, gen, f))
-            pm = build_perf_model(model, "cpu", "float32", batches=(8, 32, 128, 512),
-                                  threads=1, repeats=3 if q else 5)
+            res.update(compare("default", backends, base, 2 * B + 1, prompt, gen, f))
+            pm = perf_model_for(model, base, (8, 32, 128, 512), (4096, 16384, 65536), 3 if q else 5)
             pm.save(RESULTS / "perfmodel_default.json")
             res["perf_model"] = "bench/results/perfmodel_default.json"
-            res["model_check"] = model_check(pm, base, [32, 128] if q else [32, 128, 512], 4, 4,
-                                             workers if base.attention == "remote" else 1)
-            res["predicted_steady_max_step_latency_ratio"] = predicted_ratio(pm, res, workers if base.attention ==
-                                                                             "remote" else 1)
+            res["model_check"] = model_check(pm, base, [32, 128] if q else [32, 128, 512], 4, 4)
+            res["predicted_steady_max_step_latency_ratio"] = predicted_ratio(pm, res)
         if "rheavy" in args.configs:
             from fastdecode.testing import make_tiny_llama
             model = str(make_tiny_llama(tmp / "rheavy", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4,
                                         intermediate_size=512, max_position_embeddings=2048))
-            B, prompt, gen, f = (32, 16, 128, 8) if q else (64, 32, 512, 16)
-            kvb = kv_bytes(4, 4, 64, 3 * B * (prompt + gen + 8))
-            backend, desc = start_backend(stack, args.backend, workers, kvb)
-            base = EngineConfig(model=model, max_running=B, max_prefill_tokens=B * prompt, **backend)
+            B, prompt, gen, f = (32, 16, 128, 8) if q else (64, 32, 768, 16)
+            kvb = kv_bytes(4, 4, 64, max((2 * B + 1) * (prompt + gen + 8), 512 * 72) + 65536 // 4)
+            backends, desc = start_backends(stack, args.backend, workers, kvb)
+            base = EngineConfig(model=model, max_running=B, max_prefill_tokens=B * prompt, **backends["fcfs"])
             res = results["rheavy"] = {"model": "random Llama: hidden 256, 4 layers, 4 heads x 64, MLP 512",
                                        "backend": desc}
-            res.update(compare("rheavy", base, 3 * B, prompt, gen, f))
-            pm = build_perf_model(model, "cpu", "float32", batches=(8, 32, 128, 512), threads=1, repeats=5)
+            res.update(compare("rheavy", backends, base, 2 * B + 1, prompt, gen, f))
+            pm = perf_model_for(model, base, (8, 32, 128, 512), (4096, 16384, 65536), 5)
             pm.save(RESULTS / "perfmodel_rheavy.json")
             res["perf_model"] = "bench/results/perfmodel_rheavy.json"
-            res["model_check"] = model_check(pm, base, [32, 128, 512], 64, 8,
-                                             workers if base.attention == "remote" else 1)
-            res["predicted_steady_max_step_latency_ratio"] = predicted_ratio(pm, res, workers if base.attention ==
-                                                                             "remote" else 1)
+            res["model_check"] = model_check(pm, base, [32, 128, 512], 64, 8)
+            res["predicted_steady_max_step_latency_ratio"] = predicted_ratio(pm, res)
         if "7b" in args.configs:
             results["7b"] = run_7b(stack, tmp, args.backend, workers, q)
     for name in ("default", "rheavy"):
@@ -268,7 +340,7 @@ def main() -> int:
     return 0
 
 
-def predicted_ratio(pm: PerfModel, res: dict, workers: int) -> float | None:
+def predicted_ratio(pm: PerfModel, res: dict) -> float | None:
     """What the perf model says the steady max step ratio should be, at the measured peak contexts."""
     try:
         b = res["workload"]["max_running"]
@@ -276,7 +348,7 @@ def predicted_ratio(pm: PerfModel, res: dict, workers: int) -> float | None:
         s_ctx = res["runs"]["sls"]["summary"]["steady"]["max_context_tokens"]
     except KeyError:
         return None
-    return pm.step_time(b, s_ctx, workers, 2, overlap=False) / pm.step_time(b, f_ctx, workers, 2, overlap=False)
+    return pm.step_time(b, s_ctx, 1, 2, overlap=False) / pm.step_time(b, f_ctx, 1, 2, overlap=False)
 
 
 def run_7b(stack: ExitStack, tmp: Path, backend_kind: str, workers: int, quick: bool) -> dict:
@@ -291,14 +363,12 @@ def run_7b(stack: ExitStack, tmp: Path, backend_kind: str, workers: int, quick: 
     t = time.perf_counter()
     model = str(make_tiny_llama(tmp / "llama7b2", hidden_size=4096, num_layers=2, num_heads=32, num_kv_heads=32,
                                 intermediate_size=11008, max_position_embeddings=2048))
-    pm = build_perf_model(model, "cpu", "float32", batches=(1, 8, 32) if quick else (1, 8, 32, 128),
-                          contexts=(4096, 16384, 65536), threads=1, repeats=3)
-    pm.save(RESULTS / "perfmodel_7b2.json")
-    kvb = kv_bytes(2, 32, 128, 128 * 80)
+    kvb = kv_bytes(2, 32, 128, 128 * 80 + 65536)
     backend, desc = start_backend(stack, backend_kind, workers, kvb)
     base = EngineConfig(model=model, max_running=32, **backend)
-    check = model_check(pm, base, [8, 32] if quick else [32, 128], 64, 4,
-                        workers if base.attention == "remote" else 1)
+    pm = perf_model_for(model, base, (1, 8, 32) if quick else (1, 8, 32, 128), (4096, 16384, 65536), 3)
+    pm.save(RESULTS / "perfmodel_7b2.json")
+    check = model_check(pm, base, [8, 32] if quick else [32, 128], 64, 4)
     return {"model": "Llama-7B shapes (hidden 4096, 32 heads, MLP 11008), 2 layers, random weights",
             "backend": desc, "perf_model": "bench/results/perfmodel_7b2.json", "model_check": check,
             "T_ms_per_layer": {str(int(x)): y * 1e3 for x, y in zip(pm.s_layer.xs, pm.s_layer.ys)},

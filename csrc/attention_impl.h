@@ -20,13 +20,15 @@
 typedef V::F F;
 constexpr int W = V::W;
 
-// QK for GT query heads against up to one block of fp16 keys: P[g][t] = q_g . k_t
-// Independent FMA chains per head so that GT * C chains hide the FMA latency.
+// Independent FMA chains per head, so that GT heads together keep >= 8 in flight.
 template <int GT>
 constexpr int qk_chains() {
-  return (8 + GT - 1) / GT < (V::kRegs - 4) / GT ? (8 + GT - 1) / GT : ((V::kRegs - 4) / GT > 0 ? (V::kRegs - 4) / GT : 1);
+  constexpr int want = (8 + GT - 1) / GT;
+  constexpr int fit = (V::kRegs - 4) / GT;  // registers left for accumulators
+  return want < fit ? want : (fit > 0 ? fit : 1);
 }
 
+// QK for GT query heads against up to one block of fp16 keys: P[g][t] = q_g . k_t
 template <int GT>
 static void scores_fp16(const Layout& L, const uint8_t* head, int n, const float* q, float* P) {
   constexpr int C = qk_chains<GT>();
@@ -104,8 +106,9 @@ static float softmax_block(float* p, int n, float& m, float& l) {
   for (int t = n; t < nr; ++t) p[t] = -__builtin_inff();
   F mx = V::set1(-__builtin_inff());
   for (int c0 = 0; c0 < nr; c0 += W) mx = V::max(mx, V::load(p + c0));
-  const float m_new = m > V::hmax(mx) ? m : V::hmax(mx);
-  const float corr = __builtin_exp2f(m - m_new);  // 0 on the first block (m = -inf)
+  const float bm = V::hmax(mx);
+  const float m_new = m > bm ? m : bm;
+  const float corr = m_new == m ? 1.0f : __builtin_exp2f(m - m_new);  // 0 on the first block (m = -inf)
   const F mv = V::set1(m_new);
   F sum = V::zero();
   for (int c0 = 0; c0 < nr; c0 += W) {

@@ -156,6 +156,7 @@ KVStore::KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity
 KVStore::~KVStore() { close(); }
 
 void KVStore::close() {
+  std::lock_guard<std::mutex> compute(compute_mu_);
   std::lock_guard<std::mutex> lk(mu_);
   pool_.reset();
   if (pool_mem_) munmap(pool_mem_, map_bytes_);
@@ -166,6 +167,7 @@ void KVStore::close() {
 
 void KVStore::set_threads(int num_threads) {
   if (num_threads < 0) throw ValueErr("num_threads must be >= 0");
+  std::lock_guard<std::mutex> compute(compute_mu_);
   std::lock_guard<std::mutex> lk(mu_);
   check_open();
   const int n = num_threads == 0 ? ThreadPool::default_threads() : num_threads;
@@ -359,15 +361,31 @@ static void check_q(Input q, size_t count) {
     if (!std::isfinite(q.at(i))) throw ValueErr("q contains NaN or inf");
 }
 
-void KVStore::attend_locked(int layer, const std::vector<Seq*>& seqs, int H, Input q, float scale, float* out) {
-  const int B = static_cast<int>(seqs.size()), D = L_.head_dim, Hkv = L_.num_kv_heads, G = H / Hkv;
-  std::vector<const int32_t*> tables(B);
-  std::vector<int32_t> lens(B);
+KVStore::Snapshot KVStore::snapshot_locked(int layer, const std::vector<Seq*>& seqs) const {
+  Snapshot snap;
+  const int B = static_cast<int>(seqs.size());
+  size_t total = 0;
+  snap.lens.resize(B);
   for (int b = 0; b < B; ++b) {
-    lens[b] = seqs[b]->len[layer];
-    if (lens[b] == 0) throw ValueErr("sequence has no KV at layer " + std::to_string(layer));
-    tables[b] = seqs[b]->blocks[layer].data();
+    snap.lens[b] = seqs[b]->len[layer];
+    if (snap.lens[b] == 0) throw ValueErr("sequence has no KV at layer " + std::to_string(layer));
+    total += seqs[b]->blocks[layer].size();
   }
+  snap.blocks.reserve(total);
+  std::vector<size_t> start(B);
+  for (int b = 0; b < B; ++b) {
+    start[b] = snap.blocks.size();
+    snap.blocks.insert(snap.blocks.end(), seqs[b]->blocks[layer].begin(), seqs[b]->blocks[layer].end());
+  }
+  snap.tables.resize(B);
+  for (int b = 0; b < B; ++b) snap.tables[b] = snap.blocks.data() + start[b];
+  return snap;
+}
+
+// Runs without mu_ (other sequences may be appended, created or freed meanwhile)
+// but under compute_mu_, which keeps the pool mapped and the thread pool ours.
+void KVStore::run_attention(const Snapshot& snap, int H, Input q, float scale, float* out) {
+  const int B = static_cast<int>(snap.lens.size()), D = L_.head_dim, Hkv = L_.num_kv_heads, G = H / Hkv;
   if (B == 0) return;
   std::vector<float> qs(static_cast<size_t>(B) * H * D);
   const float mult = scale * 1.4426950408889634f;  // scores in log2 units
@@ -380,15 +398,15 @@ void KVStore::attend_locked(int layer, const std::vector<Seq*>& seqs, int H, Inp
   job.G = G;
   job.q = qs.data();
   job.out = out;
-  job.tables = tables.data();
-  job.lens = lens.data();
+  job.tables = snap.tables.data();
+  job.lens = snap.lens.data();
 
   // The (sequence, kv head) items are cut into chunks of about equal tokens,
   // several per thread, and threads take the next chunk from a shared counter:
   // on a shared machine a descheduled thread then delays only its own chunk.
   const int items = B * Hkv;
   int64_t work = 0;
-  for (int b = 0; b < B; ++b) work += (static_cast<int64_t>(lens[b]) + 16) * Hkv;
+  for (int b = 0; b < B; ++b) work += (static_cast<int64_t>(snap.lens[b]) + 16) * Hkv;
   const int T = work < kParallelMin ? 1 : std::min(pool_->size(), items);
   const size_t need = scratch_floats(L_, G);
   for (int t = 0; t < T; ++t)
@@ -402,7 +420,7 @@ void KVStore::attend_locked(int layer, const std::vector<Seq*>& seqs, int H, Inp
   bounds[0] = 0;
   int64_t acc = 0;
   for (int i = 0, c = 1; i < items && c < nchunks; ++i) {
-    acc += lens[i / Hkv] + 16;
+    acc += snap.lens[i / Hkv] + 16;
     while (c < nchunks && acc * nchunks >= work * c) bounds[c++] = i + 1;
   }
   std::atomic<int> next{0};
@@ -415,10 +433,15 @@ void KVStore::attend_locked(int layer, const std::vector<Seq*>& seqs, int H, Inp
 
 void KVStore::attend(int layer, const int64_t* ids, int B, int H, Input q, float scale, float* out) {
   check_q(q, static_cast<size_t>(B) * H * L_.head_dim);
-  std::lock_guard<std::mutex> lk(mu_);
-  check_open();
-  check_layer(layer);
-  attend_locked(layer, lookup(ids, B), H, q, scale, out);
+  std::lock_guard<std::mutex> compute(compute_mu_);
+  Snapshot snap;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    check_open();
+    check_layer(layer);
+    snap = snapshot_locked(layer, lookup(ids, B));
+  }
+  run_attention(snap, H, q, scale, out);
 }
 
 void KVStore::decode(int layer, const int64_t* ids, int B, int H, Input q, Input k, Input v, float scale,
@@ -427,12 +450,17 @@ void KVStore::decode(int layer, const int64_t* ids, int B, int H, Input q, Input
   const size_t count = static_cast<size_t>(B) * L_.num_kv_heads * L_.head_dim;
   check_kv_values(k, count, "k");
   check_kv_values(v, count, "v");
-  std::lock_guard<std::mutex> lk(mu_);
-  check_open();
-  check_layer(layer);
-  const std::vector<Seq*> seqs = lookup(ids, B);
-  append_locked(layer, seqs, nullptr, k, v);
-  attend_locked(layer, seqs, H, q, scale, out);
+  std::lock_guard<std::mutex> compute(compute_mu_);
+  Snapshot snap;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    check_open();
+    check_layer(layer);
+    const std::vector<Seq*> seqs = lookup(ids, B);
+    append_locked(layer, seqs, nullptr, k, v);
+    snap = snapshot_locked(layer, seqs);
+  }
+  run_attention(snap, H, q, scale, out);
 }
 
 void KVStore::read(int64_t id, int layer, std::vector<float>* k, std::vector<float>* v) {

@@ -2,7 +2,10 @@
 // (mmap + MADV_HUGEPAGE), a free list, and per (sequence, layer) block tables.
 // All operations take a batch of sequences for one layer; every check runs
 // before anything is changed, so a failed call leaves the store as it was.
-// Thread-safe (one mutex); attention runs on the store's thread pool.
+// Thread-safe: mu_ guards the tables and the free list; attention copies the
+// block tables it needs and computes under compute_mu_ only, so appends,
+// creates and frees of other sequences proceed meanwhile (attending a sequence
+// while freeing it gives that sequence garbage, never a crash).
 #pragma once
 
 #include <memory>
@@ -71,8 +74,14 @@ class KVStore {
   std::vector<Seq*> lookup(const int64_t* ids, int n);  // KeyErr / ValueErr on duplicates
   void check_kv_values(Input x, size_t count, const char* name) const;
   void write_token(Seq& s, int layer, int slot_token, const Input& k, const Input& v, size_t src_token);
+  struct Snapshot {  // what one attention call reads: block ids and lengths, copied
+    std::vector<int32_t> blocks, lens;
+    std::vector<const int32_t*> tables;
+  };
+
   void append_locked(int layer, const std::vector<Seq*>& seqs, const int64_t* lens, Input k, Input v);
-  void attend_locked(int layer, const std::vector<Seq*>& seqs, int H, Input q, float scale, float* out);
+  Snapshot snapshot_locked(int layer, const std::vector<Seq*>& seqs) const;
+  void run_attention(const Snapshot& snap, int H, Input q, float scale, float* out);
 
   Layout L_;
   int num_layers_;
@@ -87,6 +96,7 @@ class KVStore {
   std::unordered_map<int64_t, Seq> seqs_;
   std::unique_ptr<ThreadPool> pool_;
   std::vector<std::vector<float>> scratch_;
+  std::mutex compute_mu_;  // taken before mu_ when both are needed
   std::mutex mu_;
 };
 

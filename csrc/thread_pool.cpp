@@ -12,7 +12,7 @@ inline void cpu_relax() {
   __builtin_ia32_pause();
 #endif
 }
-constexpr auto kSpin = std::chrono::microseconds(100);
+constexpr auto kSpin = std::chrono::microseconds(20);  // the S-Part shares these cores: spin little
 }  // namespace
 
 ThreadPool::ThreadPool(int num_threads) {

@@ -51,8 +51,15 @@ def generate(prompt: str, *, url: str = DEFAULT_URL, model: str = DEFAULT_MODEL,
     client = grpcclient.InferenceServerClient(url)
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        client.async_stream_infer(model, build_inputs(prompt, sampling, stream, extra),
-                                  enable_empty_final_response=True)
+        try:
+            client.async_stream_infer(model, build_inputs(prompt, sampling, stream, extra),
+                                      enable_empty_final_response=True)
+        except Exception as e:   # the stream broke (server unreachable): its callback got the reason
+            try:
+                _, error = responses.get(timeout=1.0)
+            except queue.Empty:
+                error = e
+            raise GenerationError(f"cannot send to {url}: {error}") from None
         while True:
             try:
                 result, error = responses.get(timeout=timeout)
@@ -121,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     except GenerationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except Exception as e:  # connection refused and the like: one line, not a traceback
-        print(f"error: cannot reach {args.url}: {e}", file=sys.stderr)
+    except Exception as e:  # anything else from the transport: one line, not a traceback
+        print(f"error: {args.url}: {e}", file=sys.stderr)
         return 1
     return 0
 

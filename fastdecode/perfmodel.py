@@ -343,12 +343,42 @@ def _measure_r_torch(num_kv_heads, num_heads, head_dim, contexts, num_seqs, repe
     return points
 
 
+def measure_r_backend(backend, contexts: Sequence[int] = DEFAULT_CONTEXTS, num_seqs: int = 32,
+                      repeats: int = 5) -> dict:
+    """R-Part seconds of one layer's submit_decode(...).result() through an AttentionBackend
+    (e.g. the remote one: transport included) over `num_seqs` sequences holding `context`
+    tokens in total. Opens and closes its own sequences (ids from 2**39 up)."""
+    import torch
+
+    spec = backend.spec
+    gen = torch.Generator().manual_seed(0)
+    points = {}
+    for j, ctx in enumerate(contexts):
+        each = max(1, ctx // num_seqs)
+        ids = [(1 << 39) + j * num_seqs + i for i in range(num_seqs)]
+        backend.open(ids)
+        try:
+            kv = torch.randn(each * num_seqs, spec.num_kv_heads, spec.head_dim, generator=gen)
+            backend.prefill(0, ids, [each] * num_seqs, kv, kv)
+            q = torch.randn(num_seqs, spec.num_heads, spec.head_dim, generator=gen)
+            k1 = torch.randn(num_seqs, spec.num_kv_heads, spec.head_dim, generator=gen)
+            points[each * num_seqs] = _timeit(lambda: backend.decode(0, ids, q, k1, k1), repeats)
+        finally:
+            backend.close(ids)
+    return points
+
+
 def build_perf_model(model_dir: str, device: str = "cpu", dtype: str = "float32",
                      batches: Sequence[int] = DEFAULT_BATCHES, contexts: Sequence[int] = DEFAULT_CONTEXTS,
-                     threads: int = 0, kv_format: str = "fp16", repeats: int = 5) -> PerfModel:
+                     threads: int = 0, kv_format: str = "fp16", repeats: int = 5, backend=None) -> PerfModel:
+    """Measure and fit. R through `backend` (an AttentionBackend, all its R-workers as one)
+    when given, else on one in-process KVStore with `threads` threads."""
     t_pts, h_pts, shape = measure_s_part(model_dir, batches, device, dtype, repeats)
-    r_pts, r_backend = measure_r_part(shape["num_kv_heads"], shape["num_heads"], shape["head_dim"], contexts,
-                                      threads=threads, kv_format=kv_format, repeats=repeats)
+    if backend is not None:
+        r_pts, r_backend = measure_r_backend(backend, contexts, repeats=repeats), type(backend).__name__
+    else:
+        r_pts, r_backend = measure_r_part(shape["num_kv_heads"], shape["num_heads"], shape["head_dim"], contexts,
+                                          threads=threads, kv_format=kv_format, repeats=repeats)
     r0, r = fit_line(list(r_pts), list(r_pts.values()))
     if r <= 0:
         raise RuntimeError(f"R-Part time did not grow with context ({r_pts}): measurement too noisy")

@@ -154,7 +154,7 @@ class TritonServer:
 
     def __init__(self, model_repository: str | os.PathLike, run_dir: str | os.PathLike, *,
                  host: str = "127.0.0.1", http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,
-                 env: Mapping[str, str] | None = None, log_verbose: int = 0):
+                 env: Mapping[str, str] | None = None, log_verbose: int = 0, exit_timeout_s: int = 30):
         self.model_repository = Path(model_repository)
         self.run_dir = Path(run_dir)
         self.host = host
@@ -163,6 +163,7 @@ class TritonServer:
         self.metrics_port = metrics_port or free_port(host)
         self.extra_env = dict(env or {})
         self.log_verbose = log_verbose
+        self.exit_timeout_s = exit_timeout_s
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -192,7 +193,8 @@ class TritonServer:
                 f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
                 f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
                 "--model-control-mode=explicit", "--load-model=*",
-                "--allow-gpu-metrics=false", "--exit-timeout-secs=10", f"--log-verbose={self.log_verbose}"]
+                "--allow-gpu-metrics=false", f"--exit-timeout-secs={self.exit_timeout_s}",
+                f"--log-verbose={self.log_verbose}"]
 
     def start(self, timeout: float = 180.0) -> "TritonServer":
         if not tritonserver_binary().exists():
@@ -222,9 +224,9 @@ class TritonServer:
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; log {self.log_path}:\n"
                            f"{log_tail(self.log_path)}")
 
-    def stop(self, timeout: float = 20.0) -> None:
+    def stop(self) -> None:
         if self.proc is not None:
-            stop_process(self.proc.pid, timeout, proc=self.proc)
+            stop_process(self.proc.pid, self.exit_timeout_s + 10, proc=self.proc)
             self.proc = None
         self.pid_path.unlink(missing_ok=True)
 
@@ -399,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to be ready")
     t = sub.add_parser("stop")
     t.add_argument("--run-dir", required=True)
-    t.add_argument("--timeout", type=float, default=20.0)
+    t.add_argument("--timeout", type=float, default=40.0)
     args = p.parse_args(argv)
     return cmd_start(args) if args.command == "start" else cmd_stop(args)
 

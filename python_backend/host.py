@@ -232,6 +232,7 @@ class EngineHost:
         for live in lives:
             live.done = True
             self._send_error(live.sender, error)
+            live.sender = None
             if self.metrics is not None:
                 self.metrics.request_finished("error", None, 0)
 

@@ -21,7 +21,9 @@ from fastdecode.engine import Engine, SamplingParams
 
 NEW_TOKENS = 64
 NEAR_TIE = 1e-4
-LOGIT_TOL = {"torch": 1e-4, "local": 1e-4, "remote": 1e-4}   # first decode step, max abs vs transformers
+# First decode step, max abs vs transformers. The kernel backends store KV in fp16
+# (kv_format="fp16"), which moves fp32 logits by ~1e-2; the torch reference keeps fp32.
+LOGIT_TOL = {"torch": 1e-4, "local": 5e-2, "remote": 5e-2}
 
 PROMPTS = [
     "Hi",

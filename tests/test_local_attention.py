@@ -89,6 +89,10 @@ def test_errors_map_to_base_exceptions():
     with pytest.raises(ValueError):
         local.submit_decode(0, [1, 1], q, kv, kv)
     with pytest.raises(ValueError):
+        local.submit_decode(0, [1.5, 2], q, kv, kv)
+    with pytest.raises(ValueError):
+        local.submit_decode(0, [1, 2], q, kv, kv.to("meta"))
+    with pytest.raises(ValueError):
         local.submit_decode(0, [1, 2], q.double(), kv, kv)
     with pytest.raises(ValueError):
         local.decode(0, [1, 2], q * float("nan"), kv, kv)

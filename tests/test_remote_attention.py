@@ -243,3 +243,30 @@ def test_token_and_tls(tmp_path):
                 remote(spec, f.addresses, **kw)
             if kw.get("rworker_tls_cert") and kw["rworker_token"] != "tok":
                 assert "UNAUTHENTICATED" in str(e.value)
+
+
+def test_draining_worker_keeps_its_sequences_but_gets_no_new_ones(tmp_path):
+    import grpc
+
+    from rworker.proto import rworker_pb2 as pb
+    from rworker.proto import rworker_pb2_grpc as pb_grpc
+
+    spec = KVSpec(2, 4, 2, 16)
+    with local_fleet(2, tmp_path) as f:
+        backend = remote(spec, f.addresses)
+        try:
+            gen = torch.Generator().manual_seed(0)
+            ref = TorchAttention(spec)
+            assert run_both(spec, backend, ref, [1, 2, 3, 4], [2, 3, 4, 5], steps=1, gen=gen) < 1e-5
+            held = backend.stats()["workers"][0]["sequences"]
+            assert held > 0
+            with grpc.insecure_channel(f.addresses[0]) as ch:
+                assert pb_grpc.RWorkerStub(ch).Drain(pb.DrainRequest(), timeout=5).sequences == held
+            backend.open([10, 11, 12, 13])          # refused by the draining worker: all land on worker 1
+            st = backend.stats()["workers"]
+            assert st[0]["sequences"] == held and st[0]["up"] and st[0]["draining"]
+            assert st[1]["sequences"] == 8 - held
+            assert run_both(spec, backend, ref, [20, 21], [3, 3], steps=2, gen=gen) < 1e-5
+            assert backend.stats()["workers"][0]["sequences"] == held    # old ones still served there
+        finally:
+            backend.shutdown()

@@ -163,13 +163,13 @@ def test_wait_at_most_f_while_under_w_lim(spec, f):
 @pytest.mark.parametrize("B,S,F", [(8, 16, 4), (64, 64, 8), (32, 128, 16), (12, 12, 3), (6, 9, 3)])
 def test_uniform_steady_state_peak_is_paper_value(B, S, F):
     """B sequences of length S, M = B*F/S every F steps: steady-state peak B*(S+F)/2
-    exactly (W_lim derived, so also checks the derivation), batch B; FCFS peaks at B*S."""
+    exactly, batch B; FCFS peaks at B*S. (W_lim derived: B*(S+F)/2 + S, not binding.)"""
     assert (B * F) % S == 0 and S % F == 0
     reqs = uniform(20 * B, S)
     sched = SLSScheduler(B, 10**6, F)
     run = simulate(sched, reqs, 100 * S)
     assert sched.micro_batch_size() == B * F // S
-    assert sched.w_lim() == B * (S + F) // 2 == paper_w_max(B, S, F)
+    assert sched.w_lim() == B * (S + F) // 2 + S == paper_w_max(B, S, F) + S   # one sequence of headroom
     warm = 2 * S
     steady = run.loads[warm: len(run.loads) - 2 * S]
     assert max(steady) == B * (S + F) // 2
@@ -347,15 +347,25 @@ def test_paper_w_max():
 
 @pytest.mark.parametrize("B,P,G,F", [(16, 8, 32, 4), (12, 5, 24, 6), (32, 30, 64, 8)])
 def test_prompts_steady_state_peak_and_full_batch(B, P, G, F):
-    """With prompts the derived W_lim is the steady peak B*(S+P+F)/2 (S = P+G): the batch
-    still fills to B, and the peak reaches exactly that."""
+    """With prompts the steady peak is B*(S+P+F)/2 (S = P+G) exactly, batch B."""
     reqs = [Req(0, P, G, G) for _ in range(12 * B)]
     sched = SLSScheduler(B, 10**6, F)
     run = simulate(sched, reqs, 100 * G)
-    assert sched.w_lim() == paper_w_max(B, P + G, F, P)
+    assert sched.w_lim() == paper_w_max(B, P + G, F, P) + P + G
     steady = slice(2 * G, len(run.loads) - 2 * G)
     assert set(run.batch[steady]) == {B}
-    assert max(run.loads) == max(run.loads[steady]) == sched.w_lim()
+    assert max(run.loads) == max(run.loads[steady]) == paper_w_max(B, P + G, F, P)
+
+
+@pytest.mark.parametrize("B,P,G,F", [(64, 32, 768, 16), (64, 0, 768, 16), (48, 10, 100, 7), (30, 5, 77, 5)])
+def test_fractional_micro_batches_keep_the_batch_full(B, P, G, F):
+    """B*F/S fractional (4/3, 3.36, ...): sizes alternate (1, 1, 2, ...); the batch stays
+    at B on average and the load under the derived W_lim."""
+    sched = SLSScheduler(B, 10**6, F)
+    run = simulate(sched, [Req(0, P, G, G) for _ in range(8 * B)], 100_000)
+    steady = slice(3 * G, 5 * G)
+    assert sum(run.batch[steady]) / len(run.batch[steady]) >= 0.97 * B
+    assert max(run.batch) <= B and max(run.loads) <= sched.w_lim()
 
 
 @FAST

@@ -7,6 +7,7 @@ mini-batch while this one attends.
 """
 from __future__ import annotations
 
+import operator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
@@ -30,6 +31,13 @@ def _kernel_input(x: torch.Tensor, name: str) -> torch.Tensor:
     return x.contiguous()
 
 
+def _ints(values: Sequence[int], name: str) -> list[int]:
+    try:
+        return [operator.index(x) for x in values]
+    except TypeError:
+        raise ValueError(f"{name} must be integers") from None
+
+
 class LocalAttention(AttentionBackend):
     def __init__(self, spec: KVSpec, config) -> None:
         super().__init__(spec)
@@ -37,20 +45,26 @@ class LocalAttention(AttentionBackend):
                              block_size=config.kv_block_size, kv_format=config.kv_format,
                              num_threads=config.kernel_threads)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdecode-rpart")
+        self._open: set[int] = set()  # checked at submit without waiting for a running kernel call
 
     def open(self, seq_ids: Sequence[int]) -> None:
-        self.store.create(list(seq_ids))
+        ids = _ints(seq_ids, "seq_ids")
+        self.store.create(ids)
+        self._open.update(ids)
 
     def close(self, seq_ids: Sequence[int]) -> None:
-        self.store.free(list(seq_ids))
+        ids = _ints(seq_ids, "seq_ids")
+        self.store.free(ids)
+        self._open.difference_update(ids)
 
     def prefill(self, layer: int, seq_ids: Sequence[int], lens: Sequence[int],
                 k: torch.Tensor, v: torch.Tensor) -> None:
-        self.store.append_span(layer, list(seq_ids), list(lens), _kernel_input(k, "k"), _kernel_input(v, "v"))
+        self.store.append_span(layer, _ints(seq_ids, "seq_ids"), _ints(lens, "lens"),
+                               _kernel_input(k, "k"), _kernel_input(v, "v"))
 
     def submit_decode(self, layer: int, seq_ids: Sequence[int], q: torch.Tensor,
                       k: torch.Tensor, v: torch.Tensor) -> "Future[torch.Tensor]":
-        ids = list(seq_ids)
+        ids = _ints(seq_ids, "seq_ids")
         q, k, v = _kernel_input(q, "q"), _kernel_input(k, "k"), _kernel_input(v, "v")
         self._check_decode(layer, ids, q, k)
         return self._worker.submit(self._decode, layer, ids, q, k, v)
@@ -70,7 +84,7 @@ class LocalAttention(AttentionBackend):
             raise ValueError(f"k, v must be [{len(ids)}, {s.num_kv_heads}, {s.head_dim}], got {list(k.shape)}")
         if len(set(ids)) != len(ids):
             raise ValueError("duplicate sequence ids in one call")
-        missing = [i for i in ids if not self.store.has(i)]
+        missing = [i for i in ids if i not in self._open]
         if missing:
             raise KeyError(f"unknown sequence id(s) {missing[:8]}")
 

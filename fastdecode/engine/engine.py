@@ -172,9 +172,10 @@ class Engine:
                 break
             try:
                 out, lost = self.runner.prefill([s.seq_id for s in batch], [s.all_ids for s in batch])
-            except KVCapacityError as e:
+            except AttentionError as e:
+                what = "out of KV capacity" if isinstance(e, KVCapacityError) else "attention backend failure"
                 for s in batch:
-                    self._finish(s, "error", f"out of KV capacity during prefill: {e}")
+                    self._finish(s, "error", f"{what} during prefill: {e}")
                 break
             lost_set = set(lost)
             keep = [i for i, s in enumerate(batch) if s.seq_id not in lost_set]
@@ -203,6 +204,10 @@ class Engine:
                 return []          # wait for running sequences to free KV
             for s in chosen:
                 self._finish(s, "error", "the prompt does not fit in the KV capacity")
+            return []
+        except AttentionError as e:
+            for s in chosen:
+                self._finish(s, "error", f"attention backend failure: {e}")
             return []
         with self._lock:
             for s in chosen:

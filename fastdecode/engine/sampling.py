@@ -22,7 +22,7 @@ class SamplingParams:
     top_p: float = 1.0                 # in (0, 1]
     top_k: int = 0                     # 0 or -1 = off
     seed: int | None = None
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()         # a str or list is accepted and stored as a tuple
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
@@ -30,6 +30,17 @@ class SamplingParams:
         def check(ok: bool, msg: str) -> None:
             if not ok:
                 raise InvalidRequestError(msg)
+
+        # accept what JSON gives: a single stop string, lists, nulls
+        stop, ids = self.stop, self.stop_token_ids
+        stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+        check(isinstance(stop, (list, tuple)), f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        ids = () if ids is None else ids
+        check(isinstance(ids, (list, tuple)), f"stop_token_ids must be a list of integers, got {type(ids).__name__}")
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if self.top_k is None:
+            object.__setattr__(self, "top_k", 0)
 
         check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         check(_is_num(self.temperature) and self.temperature >= 0 and self.temperature == self.temperature
@@ -57,28 +68,7 @@ class SamplingParams:
         unknown = sorted(set(d) - known)
         if unknown:
             raise InvalidRequestError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
-        values = dict(d)
-        if "stop" in values:
-            stop = values["stop"]
-            if stop is None:
-                stop = ()
-            elif isinstance(stop, str):
-                stop = (stop,)
-            elif isinstance(stop, (list, tuple)):
-                stop = tuple(stop)
-            else:
-                raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
-            values["stop"] = stop
-        if "stop_token_ids" in values:
-            ids = values["stop_token_ids"]
-            if ids is None:
-                ids = ()
-            if not isinstance(ids, (list, tuple)):
-                raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {type(ids).__name__}")
-            values["stop_token_ids"] = tuple(ids)
-        if values.get("top_k") is None and "top_k" in values:
-            values["top_k"] = 0
-        return cls(**values)
+        return cls(**d)
 
 
 def _is_int(x) -> bool:

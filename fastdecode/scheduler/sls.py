@@ -30,13 +30,17 @@ Derived settings (config value 0):
 - S (sls_target_len = 0): mean max_len of the requests admitted so far (of the
   waiting head before the first admission).
 - W_lim (sls_w_lim = 0): the steady-state peak of the staggered schedule,
-  ceil(B*(S+P+F)/2), B = max_running, P = mean prompt length of the requests
-  admitted so far (a sequence never holds less than its prompt). With P = 0 this
-  is the paper's W'_max = B*(S+F)/2; without the P term requests with prompts
-  would be held below B sequences in flight.
-- micro-batch cap: none by default (0): the prefix is bounded by capacity and
-  W_lim only, so short or early-finishing requests are replaced at once.
-  With a cap of ceil(B*F/S) the schedule is the paper's M-every-F exactly.
+  ceil(B*(S+P+F)/2), plus one sequence (S) of headroom; B = max_running, P = mean
+  prompt length of the requests admitted so far (a sequence never holds less than
+  its prompt). With P = 0 the first term is the paper's W'_max = B*(S+F)/2, which
+  the M-every-F schedule reaches exactly (W_lim then does not bind). The P term and
+  the headroom matter when B*F/S or S/F is fractional: micro-batches of 1, 1, 2, ...
+  peak a little above the mean-M value, and a bound set exactly there would hold
+  the batch at ~90% of B (tests/test_sls.py).
+- micro-batch size M: B*F/S' with S' the steps a request occupies a slot (recent
+  finishes, so early stops raise the rate); a fractional M is carried over (sizes
+  1, 1, 2, ... for 4/3). Without this cap a greedy prefix under W_lim synchronises
+  into cohorts of W_lim/S and the batch never fills (tests/test_sls.py).
 """
 from __future__ import annotations
 
@@ -246,6 +250,7 @@ class SLSScheduler(Scheduler):
         self._tok_sum = 0
         self._prompt_sum = 0
         self._lifetimes: deque[int] = deque(maxlen=256)   # steps run by recently finished requests
+        self._credit = 0.0                # fraction of a sequence carried to the next micro-batch
         self._blocked_head: Candidate | None = None
 
     @classmethod
@@ -272,13 +277,13 @@ class SLSScheduler(Scheduler):
     def w_lim(self, waiting: Sequence[Candidate] = ()) -> int:
         if self.fixed_w_lim:
             return self.fixed_w_lim
-        return paper_w_max(self.max_running, self.target_len(waiting), self.f, self.prompt_len(waiting))
+        s = self.target_len(waiting)
+        return paper_w_max(self.max_running, s, self.f, self.prompt_len(waiting)) + s
 
-    def micro_batch_size(self, waiting: Sequence[Candidate] = ()) -> int:
-        """M = ceil(B*F/S'), S' = steps a request occupies a batch slot: the mean of
-        recent finishes (early stops included), before any the mean max_tokens."""
-        if self.micro_batch:
-            return self.micro_batch
+    def rate(self, waiting: Sequence[Candidate] = ()) -> float:
+        """B*F/S': sequences per micro-batch that keep B in flight, S' = steps a request
+        occupies a batch slot (mean of recent finishes, early stops included; before
+        any, the mean max_tokens)."""
         if self._lifetimes:
             life = sum(self._lifetimes) / len(self._lifetimes)
         elif self._len_count:
@@ -288,7 +293,14 @@ class SLSScheduler(Scheduler):
         else:
             head = waiting[: self.max_running]
             life = sum(c.max_tokens for c in head) / len(head) if head else 1
-        return max(1, min(self.max_running, math.ceil(self.max_running * self.f / max(life, 1))))
+        return min(float(self.max_running), self.max_running * self.f / max(life, 1.0))
+
+    def micro_batch_size(self, waiting: Sequence[Candidate] = ()) -> int:
+        """M of the next micro-batch: B*F/S' plus the fraction carried over from earlier
+        micro-batches, rounded down (so sizes 1, 1, 2, 1, 1, 2, ... for B*F/S' = 4/3)."""
+        if self.micro_batch:
+            return self.micro_batch
+        return int(self._credit + self.rate(waiting))
 
     def check(self, candidate: Candidate) -> None:
         """Raise ValueError for a request SLS cannot place under a fixed W_lim
@@ -307,7 +319,12 @@ class SLSScheduler(Scheduler):
         idle = num_running == 0 and len(self.plan) == 0
         if not idle and step < self.next_admit:
             return 0
-        n = min(self.capacity(waiting, num_running), self.micro_batch_size(waiting))
+        quota = self.micro_batch_size(waiting)
+        if quota == 0 and not idle:       # this F-slot's share is under one sequence: skip it
+            self._credit += self.rate(waiting)
+            self.next_admit = step + self.f
+            return 0
+        n = min(self.capacity(waiting, num_running), max(quota, 1))
         if n == 0:
             return 0
         self.plan.settle(step)
@@ -333,6 +350,8 @@ class SLSScheduler(Scheduler):
             return
         self.plan.add(step, admitted)
         self.next_admit = step + self.f
+        if not self.micro_batch:          # carry what was not admitted, at most one micro-batch
+            self._credit = min(max(self._credit + self.rate() - len(admitted), 0.0), max(0.999, self.rate()))
         self._len_sum += sum(c.max_len for c in admitted)
         self._len_count += len(admitted)
         self._tok_sum += sum(c.max_tokens for c in admitted)

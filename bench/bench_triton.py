@@ -1,0 +1,181 @@
+"""Throughput through Triton vs the same workload on the engine in-process (`make bench-triton`).
+
+    python bench/bench_triton.py [--model models/smollm2-135m-instruct] [--streams 128]
+                                 [--max-tokens 64] [--repeats 1] [--rworkers 0] [--out bench/results/triton.json]
+
+Workload: `--streams` greedy requests with distinct prompts, each generating exactly
+`--max-tokens` tokens (ignore_eos), all submitted at once. Tokens/s = generated tokens / wall time
+from the first submission to the last final response.
+  engine:  Engine(config).start(); add_request(..., on_output=...) in this process
+  triton:  tritonserver with the same EngineConfig; one tritonclient gRPC stream carrying all the
+           requests (stream=True), text deltas decoded in this process
+The two run one after the other (never at once: they would share the cores), `--repeats` times
+each, alternating; the JSON holds the medians and triton_over_engine_throughput (target >= 0.9).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from fastdecode.config import EngineConfig  # noqa: E402
+
+
+def prompts(n: int) -> list[str]:
+    topics = ["the sea", "a mountain", "bread", "a robot", "rain", "a library", "trains", "the moon"]
+    return [f"Request {i}: write a short story about {topics[i % len(topics)]}." for i in range(n)]
+
+
+def sampling(max_tokens: int) -> dict:
+    return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+def run_engine(config: EngineConfig, texts: list[str], max_tokens: int) -> dict:
+    from fastdecode.engine import Engine, SamplingParams
+
+    engine = Engine(config)
+    engine.start()
+    try:
+        list(engine.generate("warm up", SamplingParams.from_dict(sampling(4))))
+        done = threading.Event()
+        lock = threading.Lock()
+        state = {"tokens": 0, "finished": 0, "first": {}}
+        t0 = time.perf_counter()
+
+        def on_output(out):
+            with lock:
+                state["tokens"] += len(out.token_ids)
+                state["first"].setdefault(out.request_id, time.perf_counter() - t0)
+                if out.finished:
+                    state["finished"] += 1
+                    if state["finished"] == len(texts):
+                        done.set()
+
+        for i, text in enumerate(texts):
+            engine.add_request(text, SamplingParams.from_dict(sampling(max_tokens)), request_id=f"b{i}",
+                               on_output=on_output)
+        if not done.wait(1800):
+            raise RuntimeError("engine run did not finish in 30 minutes")
+        wall = time.perf_counter() - t0
+    finally:
+        engine.stop()
+    return {"tokens": state["tokens"], "wall_s": wall, "tokens_per_s": state["tokens"] / wall,
+            "ttft_median_s": statistics.median(state["first"].values())}
+
+
+def run_triton(server, texts: list[str], max_tokens: int) -> dict:
+    import tritonclient.grpc as grpcclient
+
+    from fastdecode import client
+
+    responses: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        c.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
+        c.async_stream_infer("fastdecode", client.build_inputs("warm up", sampling(4), extra={
+            "return_num_output_tokens": True}), request_id="warm")
+        while True:
+            result, error, _ = responses.get(timeout=300)
+            if error is not None:
+                raise RuntimeError(f"warm-up failed: {error}")
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+        t0 = time.perf_counter()
+        for i, text in enumerate(texts):
+            c.async_stream_infer("fastdecode", client.build_inputs(text, sampling(max_tokens), extra={
+                "return_num_output_tokens": True}), request_id=f"b{i}")
+        tokens, finished, first = 0, 0, {}
+        while finished < len(texts):
+            result, error, t = responses.get(timeout=1800)
+            if error is not None:
+                raise RuntimeError(f"request failed: {error}")
+            r = result.get_response()
+            n = result.as_numpy("num_output_tokens")
+            tokens += int(n[0]) if n is not None else 0
+            first.setdefault(r.id, t - t0)
+            if r.parameters["triton_final_response"].bool_param:
+                finished += 1
+        wall = time.perf_counter() - t0
+    finally:
+        c.stop_stream()
+        c.close()
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ttft_median_s": statistics.median(first.values())}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="models/smollm2-135m-instruct")
+    p.add_argument("--streams", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--rworkers", type=int, default=0, help="local R-workers for both runs; 0 = in-process kernel")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="more EngineConfig settings")
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "triton.json"))
+    args = p.parse_args(argv)
+
+    from fastdecode.serve import TritonServer, write_model_repository
+    from python_backend.config import resolve_path
+
+    params = {"model": resolve_path(args.model), "max_running": str(max(args.streams, 1))}
+    params.update(dict(item.split("=", 1) for item in args.param))
+    texts = prompts(args.streams)
+    results = {"engine": [], "triton": []}
+    with tempfile.TemporaryDirectory(prefix="bench_triton_") as tmp:
+        fleet = None
+        if args.rworkers:
+            from rworker.fleet import LocalFleet
+
+            fleet = LocalFleet(args.rworkers, Path(tmp) / "rworkers", kv_capacity="2G").start()
+            params["rworkers"] = ",".join(fleet.addresses)
+        try:
+            config = EngineConfig.from_dict({**params, "attention": "remote" if fleet else "local"})
+            repo = write_model_repository(Path(tmp) / "model_repository", params)
+            for rep in range(args.repeats):
+                r = run_engine(config, texts, args.max_tokens)
+                print(f"engine  #{rep}: {r['tokens']} tokens in {r['wall_s']:.2f} s = {r['tokens_per_s']:.1f} tok/s",
+                      file=sys.stderr)
+                results["engine"].append(r)
+                with TritonServer(repo, Path(tmp) / f"triton{rep}", exit_timeout_s=5) as server:
+                    r = run_triton(server, texts, args.max_tokens)
+                print(f"triton  #{rep}: {r['tokens']} tokens in {r['wall_s']:.2f} s = {r['tokens_per_s']:.1f} tok/s",
+                      file=sys.stderr)
+                results["triton"].append(r)
+        finally:
+            if fleet is not None:
+                fleet.stop()
+    expected = args.streams * args.max_tokens
+    for name, runs in results.items():
+        for r in runs:
+            if r["tokens"] != expected:
+                raise SystemExit(f"{name} generated {r['tokens']} tokens, expected {expected}")
+    engine_tps = statistics.median(r["tokens_per_s"] for r in results["engine"])
+    triton_tps = statistics.median(r["tokens_per_s"] for r in results["triton"])
+    report = {
+        "benchmark": "triton", "model": args.model, "streams": args.streams, "max_tokens": args.max_tokens,
+        "repeats": args.repeats, "attention": "remote" if args.rworkers else "local", "rworkers": args.rworkers,
+        "engine_tokens_per_s": round(engine_tps, 2), "triton_tokens_per_s": round(triton_tps, 2),
+        "triton_over_engine_throughput": round(triton_tps / engine_tps, 4), "target": 0.9,
+        "engine_ttft_median_s": round(statistics.median(r["ttft_median_s"] for r in results["engine"]), 4),
+        "triton_ttft_median_s": round(statistics.median(r["ttft_median_s"] for r in results["triton"]), 4),
+        "runs": results, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"engine {engine_tps:.1f} tok/s, triton {triton_tps:.1f} tok/s, "
+          f"triton/engine = {triton_tps / engine_tps:.3f} (target >= 0.9); wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
