@@ -29,6 +29,7 @@ kernels = Pybind11Extension(
     "fastdecode._kernels",
     sorted(glob.glob("csrc/*.cpp")),
     include_dirs=["csrc"],
+    depends=sorted(glob.glob("csrc/*.h")),  # rebuild when a header changes, not only a .cpp
     cxx_std=17,
     # Portable baseline: ISA-specific code is compiled per function (target
     # attributes) and chosen at run time by CPU feature detection.

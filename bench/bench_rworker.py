@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from fastdecode.attention import create_backend  # noqa: E402
 from fastdecode.attention.base import KVSpec  # noqa: E402
 from fastdecode.config import DEFAULT_MODEL_DIR, EngineConfig  # noqa: E402
-from fastdecode.engine.model_runner import ModelRunner  # noqa: E402
+from fastdecode.engine.model_runner import ModelRunner, StepTimes  # noqa: E402
 from fastdecode.model.loader import load_model  # noqa: E402
 from rworker.testing import local_fleet  # noqa: E402
 
@@ -46,14 +46,17 @@ RESULT = ROOT / "bench" / "results" / "rworker.json"
 
 
 def fill_kv(backend, spec: KVSpec, seq_ids: list[int], context: int, gen: torch.Generator) -> None:
+    """Open the sequences and give each `context` tokens of KV in every layer (the same random
+    block everywhere: the values do not change what attention costs)."""
     backend.open(seq_ids)
     chunk = max(1, 16384 // context)                      # sequences per prefill call
+    k = torch.randn(chunk * context, spec.num_kv_heads, spec.head_dim, generator=gen)
+    v = torch.randn(chunk * context, spec.num_kv_heads, spec.head_dim, generator=gen)
     for a in range(0, len(seq_ids), chunk):
         ids = seq_ids[a:a + chunk]
+        n = len(ids) * context
         for layer in range(spec.num_layers):
-            k = torch.randn(len(ids) * context, spec.num_kv_heads, spec.head_dim, generator=gen)
-            v = torch.randn(len(ids) * context, spec.num_kv_heads, spec.head_dim, generator=gen)
-            backend.prefill(layer, ids, [context] * len(ids), k, v)
+            backend.prefill(layer, ids, [context] * len(ids), k[:n], v[:n])
 
 
 def time_decode(model, backend, spec, batch: int, context: int, steps: int, minibatches: int,
@@ -69,7 +72,6 @@ def time_decode(model, backend, spec, batch: int, context: int, steps: int, mini
         if step == warmup:
             before = backend.stats()
         positions = [context + step] * batch
-        from fastdecode.engine.model_runner import StepTimes
         runner.times = StepTimes()
         t = time.perf_counter()
         with torch.inference_mode():
@@ -101,16 +103,25 @@ def main() -> int:
     p.add_argument("--context", type=int, default=256, help="tokens of KV per sequence before timing")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--s-threads", type=int, default=1,
+                   help="torch threads of the S-Part (1: on a shared 2-core box, OpenMP barriers of 2 threads "
+                        "competing with the R-Part's threads slow the S-Part down many times over)")
+    p.add_argument("--r-threads", type=int, default=0,
+                   help="R-Part threads in total: the local kernel's, split evenly over the R-workers "
+                        "(0 = all cores)")
     p.add_argument("--out", default=str(RESULT))
     args = p.parse_args()
     torch.manual_seed(0)
+    torch.set_num_threads(args.s_threads)
+    load_at_start = round(os.getloadavg()[0], 2)
     threads = torch.get_num_threads()
+    r_threads = args.r_threads or os.cpu_count() or 1
     loaded = load_model(args.model, "float32", "cpu", 0)
     model, a = loaded.model, loaded.args
     spec = KVSpec(a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim)
     per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
     need = int(max(args.batches) * (args.context + 16) * per_token * 1.25) + (64 << 20)
-    base = EngineConfig(model=args.model, kv_capacity_bytes=need, kernel_threads=0)
+    base = EngineConfig(model=args.model, kv_capacity_bytes=need, kernel_threads=r_threads)
     results = {}
     for b in args.batches:
         local = create_backend(base.replace(attention="local"), spec)
@@ -119,9 +130,10 @@ def main() -> int:
         finally:
             local.shutdown()
         print(f"local  B={b}: {results[f'local_b{b}']['step_s'] * 1e3:.1f} ms/step", flush=True)
-    # Each worker gets an equal share of the cores the local kernel had.
-    with local_fleet(args.workers, tempfile.mkdtemp(prefix="bench_rworker_"), kv_capacity=need // args.workers + (64 << 20),
-                     threads=max(1, (os.cpu_count() or 1) // args.workers)) as fleet:
+    # Each worker gets an equal share of the local kernel's threads.
+    with local_fleet(args.workers, tempfile.mkdtemp(prefix="bench_rworker_"),
+                     kv_capacity=need // args.workers + (64 << 20),
+                     threads=max(1, r_threads // args.workers)) as fleet:
         remote = create_backend(base.replace(attention="remote", rworkers=fleet.addresses, rworker_timeout_s=60.0), spec)
         try:
             for b in args.batches:
@@ -141,7 +153,9 @@ def main() -> int:
         "context_tokens": args.context,
         "steps_timed": args.steps,
         "rworkers": args.workers,
-        "machine": {"cpus": os.cpu_count(), "torch_threads": threads, "python": platform.python_version()},
+        "machine": {"cpus": os.cpu_count(), "load_avg_1m_at_start": load_at_start, "python": platform.python_version()},
+        "threads": {"s_part_torch": threads, "r_part_total": r_threads,
+                    "per_rworker": max(1, r_threads // args.workers)},
         "remote_over_local_step_time": {str(b): round(r, 3) for b, r in ratios.items()},
         "comm_share": {str(b): round(results[f"remote_b{b}"]["comm_share"], 3) for b in args.batches},
         "comm_share_unpipelined": {str(b): round(results[f"remote_b{b}"]["comm_share_unpipelined"], 3)
@@ -153,6 +167,7 @@ def main() -> int:
         "target_comm_share": 0.15,
         "runs": results,
     }
+    print(f"load average at start {load_at_start} on {os.cpu_count()} CPUs (shared machine: figures are noisy)")
     for b in args.batches:
         print(f"B={b}: remote/local step time = {ratios[b]:.2f}x, comm_share = {summary['comm_share'][str(b)]:.3f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -124,11 +124,11 @@ static float softmax_block(float* p, int n, float& m, float& l) {
 // Software prefetch of a later block's head region, spread over the PV token
 // loop of this block (a burst of 100+ prefetches would stall on fill buffers).
 struct Prefetch {
-  const uint8_t* p = nullptr;  // nullptr: nothing to prefetch
-  int lines = 0;
-  inline void step(int t, int n) const {
-    if (!p) return;
-    for (int i = t * lines / n; i < (t + 1) * lines / n; ++i) V::prefetch(p + static_cast<size_t>(i) * 64);
+  const uint8_t* cur = nullptr;  // next line to prefetch; nullptr: nothing to do
+  const uint8_t* end = nullptr;
+  int per_step = 0;              // lines per step()
+  inline void step() {
+    for (int i = 0; i < per_step && cur < end; ++i, cur += 64) V::prefetch(cur);
   }
 };
 
@@ -141,12 +141,12 @@ constexpr int pv_chunk() {
 
 template <int GT, int DC>
 static void pv_fp16_chunk(const uint16_t* Vr, int D, int n, const float* P, int bsp, float* acc, int d0,
-                          const Prefetch& pf) {
+                          Prefetch& pf) {
   F a[GT][DC];
   for (int g = 0; g < GT; ++g)
     for (int j = 0; j < DC; ++j) a[g][j] = V::load(acc + g * D + d0 + j * W);
   for (int t = 0; t < n; ++t) {
-    pf.step(t, n);
+    pf.step();
     F v[DC];
     for (int j = 0; j < DC; ++j) v[j] = V::load_h(Vr + static_cast<size_t>(t) * D + d0 + j * W);
     for (int g = 0; g < GT; ++g) {
@@ -160,19 +160,18 @@ static void pv_fp16_chunk(const uint16_t* Vr, int D, int n, const float* P, int 
 
 // acc[g] += sum_t P[g][t] * V_t (fp16 values)
 template <int GT>
-static void pv_fp16(const Layout& L, const uint8_t* head, int n, const float* P, float* acc, const Prefetch& pf) {
+static void pv_fp16(const Layout& L, const uint8_t* head, int n, const float* P, float* acc, Prefetch& pf) {
   constexpr int DC = pv_chunk<GT>();
   const int D = L.head_dim;
   const uint16_t* Vr = reinterpret_cast<const uint16_t*>(head + L.v_off);
   int d0 = 0;
-  const Prefetch none;
-  for (; d0 + DC * W <= D; d0 += DC * W) pv_fp16_chunk<GT, DC>(Vr, D, n, P, L.bsp, acc, d0, d0 ? none : pf);
-  for (; d0 < D; d0 += W) pv_fp16_chunk<GT, 1>(Vr, D, n, P, L.bsp, acc, d0, d0 ? none : pf);
+  for (; d0 + DC * W <= D; d0 += DC * W) pv_fp16_chunk<GT, DC>(Vr, D, n, P, L.bsp, acc, d0, pf);
+  for (; d0 < D; d0 += W) pv_fp16_chunk<GT, 1>(Vr, D, n, P, L.bsp, acc, d0, pf);
 }
 
 template <int GT, int GC>
 static void pv_int4_groups(int D, int ng, int half, int bsp, int n, const uint8_t* Vn, const float* Cc, float* acc,
-                           const Prefetch& pf) {
+                           Prefetch& pf) {
   const int qg = 2 * half;
   for (int g0 = 0; g0 < ng; g0 += GC) {
     for (int i = 0; i < half; i += W) {
@@ -184,7 +183,7 @@ static void pv_int4_groups(int D, int ng, int half, int bsp, int n, const uint8_
         }
       const uint8_t* src = Vn + g0 * half + i;
       for (int t = 0; t < n; ++t) {
-        if (g0 == 0 && i == 0) pf.step(t, n);
+        pf.step();
         for (int c = 0; c < GC; ++c) {
           F lo, hi;
           V::nib(src + static_cast<size_t>(t) * (D / 2) + c * half, lo, hi);
@@ -207,7 +206,7 @@ static void pv_int4_groups(int D, int ng, int half, int bsp, int n, const uint8_
 // acc[g] += sum_t (P[g][t] * scale_t) * u_t;  zacc[g][grp] (W lanes) += sum_t P[g][t] * zero_t
 template <int GT>
 static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P, float* Cc, float* acc,
-                    float* zacc, const Prefetch& pf) {
+                    float* zacc, Prefetch& pf) {
   const int D = L.head_dim, bsp = L.bsp, qg = L.qgroup, ng = D / qg, half = qg / 2;
   const uint8_t* Vn = head + L.v_off;
   const uint16_t* Vs = reinterpret_cast<const uint16_t*>(head + L.vs_off);
@@ -239,7 +238,7 @@ struct ItemState {
 // One block, GT query heads (a tile of the item's G heads starting at g0).
 template <int GT>
 static void tile(const Layout& L, const uint8_t* head, int n, const float* q, const ItemState& st, int g0,
-                 int ng, const Prefetch& pf) {
+                 int ng, Prefetch& pf) {
   const int D = L.head_dim, bsp = L.bsp;
   float* P = st.P + g0 * bsp;
   float* acc = st.acc + g0 * D;
@@ -265,7 +264,7 @@ static void tile(const Layout& L, const uint8_t* head, int n, const float* q, co
 }
 
 static void tile_any(int gt, const Layout& L, const uint8_t* head, int n, const float* q, const ItemState& st,
-                     int g0, int ng, const Prefetch& pf) {
+                     int g0, int ng, Prefetch& pf) {
   switch (gt) {
     case 1: tile<1>(L, head, n, q, st, g0, ng, pf); break;
     case 2: tile<2>(L, head, n, q, st, g0, ng, pf); break;
@@ -320,14 +319,14 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
     const size_t hoff = static_cast<size_t>(h) * L.head_bytes;
     for (int i = 0; i < nblk; ++i) {
       const uint8_t* head = J.pool + static_cast<size_t>(table[i]) * L.block_bytes + hoff;
-      Prefetch pf;
+      Prefetch pf;  // spread over this block's PV token loop, so ~lines/n per token
       if (i + kPrefetchBlocks < nblk) {
-        pf.p = J.pool + static_cast<size_t>(table[i + kPrefetchBlocks]) * L.block_bytes + hoff;
-        pf.lines = static_cast<int>(L.head_bytes / 64);
+        pf.cur = J.pool + static_cast<size_t>(table[i + kPrefetchBlocks]) * L.block_bytes + hoff;
+        pf.end = pf.cur + L.head_bytes;
+        pf.per_step = static_cast<int>((L.head_bytes / 64 + bs - 1) / bs);
       }
       const int n = ntok - i * bs < bs ? ntok - i * bs : bs;
-      const Prefetch none;
-      for (int g0 = 0; g0 < G; g0 += 8) tile_any(G - g0 < 8 ? G - g0 : 8, L, head, n, q, st, g0, ng, g0 ? none : pf);
+      for (int g0 = 0; g0 < G; g0 += 8) tile_any(G - g0 < 8 ? G - g0 : 8, L, head, n, q, st, g0, ng, pf);
     }
     float* out = J.out + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h) * G) * D;
     for (int g = 0; g < G; ++g) {

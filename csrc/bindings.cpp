@@ -6,12 +6,11 @@
 #include <pybind11/stl.h>
 
 #include "kv_store.h"
+#include "stream.h"
 
 namespace py = pybind11;
 
-namespace fd {
-std::vector<double> read_bandwidth(size_t bytes, int threads, int repeats, bool hugepages);
-}
+
 using fd::DType;
 using fd::Input;
 
@@ -279,15 +278,22 @@ PYBIND11_MODULE(_kernels, m) {
     if (isa == "scalar") return true;
     throw py::value_error("unknown isa '" + isa + "'");
   });
-  m.def(
-      "read_bandwidth",
-      [](int64_t bytes, int threads, int repeats, bool hugepages) {
-        if (bytes <= 0 || threads < 1 || repeats < 1) throw py::value_error("bytes, threads, repeats must be >= 1");
-        py::gil_scoped_release nogil;
-        return fd::read_bandwidth(static_cast<size_t>(bytes), threads, repeats, hugepages);
-      },
-      py::arg("bytes"), py::arg("threads"), py::arg("repeats") = 5, py::arg("hugepages") = true,
-      "STREAM-style read bandwidth (GB/s per repeat) over a huge-page buffer like the KV pool's.");
+  py::class_<fd::StreamBuffer>(m, "StreamBuffer",
+                               "STREAM-style read bandwidth over a buffer mapped like the KV pool (huge pages)")
+      .def(py::init([](int64_t bytes, bool hugepages) {
+             if (bytes <= 0) throw py::value_error("bytes must be > 0");
+             return std::make_unique<fd::StreamBuffer>(static_cast<size_t>(bytes), hugepages);
+           }),
+           py::arg("bytes"), py::arg("hugepages") = true)
+      .def_property_readonly("bytes", &fd::StreamBuffer::bytes)
+      .def(
+          "read",
+          [](fd::StreamBuffer& b, int threads) {
+            if (threads < 1) throw py::value_error("threads must be >= 1");
+            py::gil_scoped_release nogil;
+            return b.read(threads);
+          },
+          py::arg("threads"), "GB/s of one pass over the buffer with `threads` threads");
   py::class_<PyKVStore>(m, "KVStore")
       .def(py::init<int, int, int, int64_t, int, const std::string&, int, const std::string&>(), py::arg("num_layers"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("capacity_bytes"), py::arg("block_size") = 16,

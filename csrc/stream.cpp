@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "common.h"
+#include "stream.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -66,18 +66,22 @@ __attribute__((target("avx2"))) uint64_t read_avx2(const uint64_t* p, size_t n) 
 
 }  // namespace
 
-// Read `bytes` (rounded to 2 MiB) `repeats` times with `threads` threads; GB/s of each repeat.
-std::vector<double> read_bandwidth(size_t bytes, int threads, int repeats, bool hugepages) {
+StreamBuffer::StreamBuffer(size_t bytes, bool hugepages) {
   constexpr size_t kHuge = size_t(2) << 20;
-  bytes = std::max(kHuge, bytes / kHuge * kHuge);
-  const size_t map = bytes + kHuge;
-  void* mem = mmap(nullptr, map, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (mem == MAP_FAILED) throw ValueErr("cannot map the bandwidth buffer");
-  uint8_t* buf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(mem) + kHuge - 1) & ~(kHuge - 1));
+  bytes_ = std::max(kHuge, bytes / kHuge * kHuge);
+  map_bytes_ = bytes_ + kHuge;
+  mem_ = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mem_ == MAP_FAILED) throw ValueErr("cannot map the bandwidth buffer");
+  buf_ = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(mem_) + kHuge - 1) & ~(kHuge - 1));
 #ifdef MADV_HUGEPAGE
-  if (hugepages) madvise(buf, bytes, MADV_HUGEPAGE);
+  if (hugepages) madvise(buf_, bytes_, MADV_HUGEPAGE);
 #endif
-  std::memset(buf, 1, bytes);
+  std::memset(buf_, 1, bytes_);
+}
+
+StreamBuffer::~StreamBuffer() { munmap(mem_, map_bytes_); }
+
+double StreamBuffer::read(int threads) {
   uint64_t (*fn)(const uint64_t*, size_t) = read_scalar;
 #if defined(__x86_64__)
   if (__builtin_cpu_supports("avx512f"))
@@ -85,31 +89,24 @@ std::vector<double> read_bandwidth(size_t bytes, int threads, int repeats, bool 
   else if (__builtin_cpu_supports("avx2"))
     fn = read_avx2;
 #endif
-  const size_t words = bytes / 8, per = words / threads / 64 * 64;
-  std::vector<double> out;
-  std::atomic<uint64_t> sink{0};
-  for (int r = 0; r < repeats; ++r) {
-    std::atomic<int> ready{0};
-    std::atomic<bool> go{false};
-    std::vector<std::thread> ts;
-    for (int t = 0; t < threads; ++t)
-      ts.emplace_back([&, t] {
-        ready.fetch_add(1);
-        while (!go.load()) {
-        }
-        sink.fetch_xor(fn(reinterpret_cast<const uint64_t*>(buf) + t * per, per));
-      });
-    while (ready.load() < threads) {
-    }
-    const auto t0 = std::chrono::steady_clock::now();
-    go.store(true);
-    for (auto& t : ts) t.join();
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    out.push_back(static_cast<double>(per * threads * 8) / s / 1e9);
+  const size_t words = bytes_ / 8, per = words / threads / 64 * 64;
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t)
+    ts.emplace_back([&, t] {
+      ready.fetch_add(1);
+      while (!go.load()) {
+      }
+      sink_.fetch_xor(fn(reinterpret_cast<const uint64_t*>(buf_) + t * per, per));
+    });
+  while (ready.load() < threads) {
   }
-  munmap(mem, map);
-  if (sink.load() == 42) out.push_back(0);  // keep the reads alive
-  return out;
+  const auto t0 = std::chrono::steady_clock::now();
+  go.store(true);
+  for (auto& t : ts) t.join();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<double>(per * threads * 8) / s / 1e9;
 }
 
 }  // namespace fd

@@ -122,6 +122,12 @@ class PerfModel:
         if not (math.isfinite(self.r_fixed) and self.r_fixed >= 0):
             raise ValueError(f"r_fixed must be a finite number >= 0, got {self.r_fixed!r}")
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """fp16 K and V of one token over all layers (0 when the shape is unknown)."""
+        shape = self.meta.get("shape", {})
+        return 2 * 2 * self.num_layers * shape.get("num_kv_heads", 0) * shape.get("head_dim", 0)
+
     def T(self, batch: float) -> float:
         return self.s_layer(batch)
 
@@ -212,7 +218,7 @@ def plan(pm: PerfModel, seq_len: int, latency_budget_s: float | None = None, max
     workers = max(1, math.ceil(workers_exact - 1e-9))
     f = f or max(1, seq_len // MICRO_BATCHES_IN_FLIGHT)
     running = num_minibatches * b
-    w_lim = paper_w_max(running, seq_len, f)
+    w_lim = paper_w_max(running, seq_len, f) + seq_len     # the scheduler's derivation (sls.py), P = 0
     # Steady state under SLS: mean context per sequence ~ (S+F)/2 .. S/2; use the peak for the
     # slowest step and the mean for throughput.
     step_peak = pm.step_time(running, w_lim, workers, num_minibatches, overlap=True)
@@ -222,7 +228,9 @@ def plan(pm: PerfModel, seq_len: int, latency_budget_s: float | None = None, max
         "seq_len": seq_len, "latency_budget_ms": None if latency_budget_s is None else latency_budget_s * 1e3,
         "T_B_ms": t * 1e3, "E_B_per_s": b / t, "R_ns_per_token": pm.r_per_token * 1e9,
         "rworkers_exact": workers_exact, "rworkers": workers,
-        "sls_f": f, "sls_w_lim": w_lim, "micro_batch": math.ceil(running * f / seq_len),
+        "sls_f": f, "sls_w_lim": w_lim, "micro_batch": running * f / seq_len,
+        "kv_tokens_per_rworker": math.ceil(w_lim / workers),
+        "kv_bytes_per_rworker": math.ceil(w_lim / workers) * pm.kv_bytes_per_token,
         "predicted_step_ms_mean": step_mean * 1e3, "predicted_step_ms_peak": step_peak * 1e3,
         "predicted_tokens_per_s": running / step_mean,
         "predicted_sequence_latency_s": seq_len * step_mean,

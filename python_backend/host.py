@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from python_backend.errors import UNAVAILABLE, BadRequest, ErrorInfo, map_exception
@@ -46,7 +46,6 @@ class Live:
     first_token: float | None = None
     cancelled: bool = False
     done: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 _STOP = object()

@@ -78,6 +78,9 @@ class FastDecodeModel:
         engine_config, options = build_configs(model_parameters(model_config))
         pb_utils.Logger.log_info(f"fastdecode: starting engine: {engine_config}")
         self.engine = Engine(engine_config)
+        import torch
+
+        pb_utils.Logger.log_info(f"fastdecode: engine on {self.engine.device}, torch threads {torch.get_num_threads()}")
         if options.fault_step_error_file:
             install_step_fault(self.engine, options.fault_step_error_file)
         self.metrics_sink = PbMetricsSink()

@@ -18,7 +18,7 @@ A, B_SLOPE = 2e-3, 1e-5          # T(B) = 2 ms + 10 us * B per layer-step
 def linear_model(a=A, b=B_SLOPE, r=5e-8, layers=32, xs=(1, 16, 64, 256, 1024, 4096)) -> PerfModel:
     t = Curve.of({x: a + b * x for x in xs})
     h = Curve.of({x: 1e-3 + 1e-6 * x for x in xs})
-    return PerfModel(layers, t, h, r, 1e-4, {"device": "synthetic"})
+    return PerfModel(layers, t, h, r, 1e-4, {"device": "synthetic", "shape": {"num_kv_heads": 8, "head_dim": 128}})
 
 
 def test_fit_line_and_curve():
@@ -74,7 +74,8 @@ def test_rworkers_f_and_w_lim():
     assert p["rworkers"] == math.ceil(p["rworkers_exact"])
     assert p["sls_f"] == s // 32
     assert p["max_running"] == 2 * b
-    assert p["sls_w_lim"] == math.ceil(2 * b * (s + s // 32) / 2)
+    assert p["sls_w_lim"] == math.ceil(2 * b * (s + s // 32) / 2) + s     # + one sequence, as sls.py derives
+    assert p["kv_tokens_per_rworker"] == math.ceil(p["sls_w_lim"] / p["rworkers"])
     # tokens/s: max_running over the predicted mean step, pipelined
     step = pm.step_time(2 * b, 2 * b * s // 2, p["rworkers"], 2, overlap=True)
     assert p["predicted_tokens_per_s"] == pytest.approx(2 * b / step)
@@ -107,6 +108,7 @@ def test_settings_feed_engine_config_and_scheduler(tmp_path):
     assert cfg.scheduler == "sls" and cfg.sls_target_len == 512 and cfg.max_running == doc["plan"]["max_running"]
     sched = create_scheduler(cfg)
     assert isinstance(sched, SLSScheduler) and sched.w_lim() == doc["plan"]["sls_w_lim"]
+    assert doc["plan"]["kv_bytes_per_rworker"] == doc["plan"]["kv_tokens_per_rworker"] * 2 * 2 * 32 * 8 * 128
     assert PerfModel.from_dict(doc["perf_model"]) == pm
 
 

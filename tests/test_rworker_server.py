@@ -259,3 +259,52 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
         client.close()
     finally:
         w.stop()
+
+
+def test_garbage_bytes_and_random_requests(worker):
+    """Undecodable bytes end only that stream; random well-formed requests always get an
+    answer with a client-error code (never INTERNAL), and the worker keeps serving."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    rng = np.random.default_rng(3)
+    bystander = RawClient(worker)
+    seqs = [Seq(rng, 3)]
+    assert bystander.call(open=pb.Open(seq_ids=[5])).code == 0
+    prefill(bystander, [5], seqs)
+
+    with grpc.insecure_channel(worker) as ch:
+        raw = ch.stream_stream("/fastdecode.rworker.RWorker/Session")
+        with pytest.raises(grpc.RpcError) as e:
+            list(raw(iter([b"\xff\x01garbage" * 10]), timeout=10))
+        assert e.value.code() in (C.INTERNAL, C.INVALID_ARGUMENT, C.UNKNOWN)
+
+    fuzz = RawClient(worker)
+    assert fuzz.call(open=pb.Open(seq_ids=[1, 2])).code == 0
+    client_errors = {C.INVALID_ARGUMENT, C.NOT_FOUND, C.RESOURCE_EXHAUSTED, C.FAILED_PRECONDITION,
+                     C.ALREADY_EXISTS, C.OK}
+    tensors = st.builds(pb.Tensor, data=st.binary(max_size=2048),
+                        shape=st.lists(st.integers(-3, 70), max_size=4),
+                        dtype=st.sampled_from(["float16", "float32", "int8", "", "bfloat16", "float64"]))
+    ids = st.lists(st.integers(-2, 4), max_size=4)
+    requests = st.one_of(
+        st.builds(lambda l, i, q, k, v: dict(decode=pb.Decode(layer=l, seq_ids=i, q=q, k=k, v=v)),
+                  st.integers(-1, 3), ids, tensors, tensors, tensors),
+        st.builds(lambda l, i, n, k, v: dict(prefill=pb.Prefill(layer=l, seq_ids=i, lens=n, k=k, v=v)),
+                  st.integers(-1, 3), ids, st.lists(st.integers(-1, 40), max_size=4), tensors, tensors),
+        st.builds(lambda i: dict(open=pb.Open(seq_ids=i)), ids),
+        st.builds(lambda i: dict(close=pb.Close(seq_ids=i)), ids),
+        st.builds(lambda a, b, c, f: dict(configure=pb.Configure(num_layers=a, num_kv_heads=b, head_dim=c,
+                                                                 kv_format=f)),
+                  st.integers(-1, 3), st.integers(-1, 3), st.integers(-1, 17), st.sampled_from(["fp16", "x"])))
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(requests)
+    def check(op):
+        r = fuzz.call(**op)
+        assert code(r) in client_errors, (op, r.message)
+
+    check()
+    fuzz.close()
+    decode_and_check(bystander, [5], seqs, rng)
+    bystander.close()

@@ -292,7 +292,8 @@ def test_bad_request_gets_clear_error_and_server_keeps_serving(server, case):
     responses, error = raw_stream(server, inputs)
     assert error is not None, f"{case}: no error, got {len(responses)} response(s)"
     assert expected in error, error
-    assert generate(server, "ok?", {"max_tokens": 2, "temperature": 0.0}, return_num_output_tokens=True)
+    ok = generate(server, "ok?", {"max_tokens": 2, "temperature": 0.0}, return_num_output_tokens=True)
+    assert sum(r["num_output_tokens"] for r in ok) == 2
 
 
 def test_http_bad_requests(server):

@@ -17,6 +17,9 @@ Conventions (the engine's step counter; one token per sequence per step):
   the peak of the future load curve is at one of the end steps, as in Algorithm 1
   (W[i] = load at E[i]). A request the engine has not retired by its predicted
   end is counted as ending now (never under-counted).
+- The paper writes E = t + S; its EARLIEST_STEP arithmetic (x, +1) is exact when E
+  is the last step and a sequence counts 1 at its first: our end. The literal loop
+  is checked against LoadPlan.earliest_step in tests/test_sls.py.
 
 Admission at step t (FCFS, a prefix of `waiting`):
 - the system is idle (nothing in flight): admit at once, whatever F says;
@@ -36,7 +39,7 @@ Derived settings (config value 0):
   the M-every-F schedule reaches exactly (W_lim then does not bind). The P term and
   the headroom matter when B*F/S or S/F is fractional: micro-batches of 1, 1, 2, ...
   peak a little above the mean-M value, and a bound set exactly there would hold
-  the batch at ~90% of B (tests/test_sls.py).
+  the batch 5-10% below B.
 - micro-batch size M: B*F/S' with S' the steps a request occupies a slot (recent
   finishes, so early stops raise the rate); a fractional M is carried over (sizes
   1, 1, 2, ... for 4/3). Without this cap a greedy prefix under W_lim synchronises
@@ -350,8 +353,8 @@ class SLSScheduler(Scheduler):
             return
         self.plan.add(step, admitted)
         self.next_admit = step + self.f
-        if not self.micro_batch:          # carry what was not admitted, at most one micro-batch
-            self._credit = min(max(self._credit + self.rate() - len(admitted), 0.0), max(0.999, self.rate()))
+        if not self.micro_batch:          # carry the fraction, never a backlog (no bursts)
+            self._credit = min(max(self._credit + self.rate() - len(admitted), 0.0), 0.999)
         self._len_sum += sum(c.max_len for c in admitted)
         self._len_count += len(admitted)
         self._tok_sum += sum(c.max_tokens for c in admitted)
