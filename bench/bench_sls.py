@@ -24,9 +24,12 @@ B in {32, 128, 512}; model_error_max = max |predicted - measured| / measured.
 Configurations:
   default  models/smollm2-135m-instruct, the remote backend with 2 local R-workers (1 kernel
            thread each) when rworker is available, else the in-process backend (recorded).
-  rheavy   a random 4-layer Llama with hidden 256 (4 heads of 64): its S-Part is cheap next to
-           its R-Part, the balance a GPU S-worker has (PAPER.md) but this CPU-only machine
-           cannot give the default model at lengths a 10-minute run affords.
+  rheavy   a random 4-layer Llama with hidden 256 (4 heads of 64) on the in-process kernel (one
+           thread beside the S-Part's one): R-Part time grows with the context as in the paper
+           (R-workers > 75% busy), where the remote backend on this loaded 2-core machine spends
+           most of each call in gRPC. Its S-Part is cheap next to its R-Part, the balance a GPU
+           S-worker has (PAPER.md) but this CPU-only machine cannot give the default model at
+           lengths a 10-minute run affords.
   7b       Llama-7B layer shapes (hidden 4096, 32 heads, 11008 MLP), 2 layers, random weights:
            perf model + model check at one batch, if memory allows.
 S-Part torch threads: 1 (the other core is the R-workers'); recorded in the JSON.
@@ -238,8 +241,9 @@ def perf_model_for(model: str, base: EngineConfig, batches, contexts, repeats: i
 
 
 def model_check(pm: PerfModel, base: EngineConfig, batches: list[int], prompt: int, gen: int) -> dict:
-    """Engine decode steps at full batch B vs pm.step_time(B, context): S and R share this
-    machine's cores (no overlap); R was measured through the whole backend (workers=1)."""
+    """Engine decode steps at full batch B vs pm.step_time(B, context): pipelined over the
+    two mini-batches (the R-Part runs on other threads/processes than the S-Part); R was
+    measured through the whole backend (workers=1). The serial prediction is reported too."""
     out = {}
     for b in batches:
         cfg = base.replace(scheduler="fcfs", max_running=b, max_prefill_tokens=max(4096, b * prompt))
@@ -250,8 +254,10 @@ def model_check(pm: PerfModel, base: EngineConfig, batches: list[int], prompt: i
             continue
         measured = statistics.median(r["step_time"] for r in decode)
         ctx = statistics.median(r["context_tokens"] for r in decode)
-        predicted = pm.step_time(b, ctx, 1, cfg.num_minibatches, overlap=False)
-        out[str(b)] = {"measured_step_s": measured, "predicted_step_s": predicted, "context_tokens": ctx,
+        predicted = pm.step_time(b, ctx, 1, cfg.num_minibatches, overlap=True)
+        serial = pm.step_time(b, ctx, 1, cfg.num_minibatches, overlap=False)
+        out[str(b)] = {"measured_step_s": measured, "predicted_step_s": predicted, "predicted_serial_step_s": serial,
+                       "context_tokens": ctx,
                        "steps": len(decode), "rel_error": abs(predicted - measured) / measured}
         print(f"model check B={b}: measured {measured * 1e3:.1f} ms, predicted {predicted * 1e3:.1f} ms "
               f"(error {out[str(b)]['rel_error']:.1%})", flush=True)
@@ -269,20 +275,30 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(names), 1, figsize=(10, 3.6 * len(names)), squeeze=False)
     for ax, name in zip(axes[:, 0], names):
         res = results[name]
+        ctx_ax = ax.twinx()
+        top = 0.0
         for policy, color in (("fcfs", "tab:red"), ("sls", "tab:blue")):
             run = res["runs"][policy]
             steps = [r["step"] - run["trace"][0]["step"] for r in run["trace"]]
             lat = [r["step_time"] * 1e3 for r in run["trace"]]
-            ax.plot(steps, lat, color=color, lw=0.6, alpha=0.35)
-            ax.plot(steps, rolling_median(lat, SMOOTH), color=color, lw=1.4, label=f"{policy}")
+            smooth = rolling_median(lat, SMOOTH)
+            ax.plot(steps, lat, color=color, lw=0.6, alpha=0.3)
+            ax.plot(steps, smooth, color=color, lw=1.4, label=f"{policy} step latency (rolling median {SMOOTH})")
+            top = max(top, max(smooth))
+            ctx_ax.plot(steps, [r["context_tokens"] for r in run["trace"]], color=color, lw=0.8, ls="--",
+                        label=f"{policy} context in flight")
             a, b = run["steady_window"]
             ax.axvspan(a, b, color=color, alpha=0.05)
         ratio = res.get("steady_max_step_latency_ratio")
         ax.set_title(f"{name}: per-step latency (steady max ratio sls/fcfs = "
                      f"{ratio:.2f})" if ratio else name, fontsize=10)
+        ax.set_ylim(0, 1.5 * top)
         ax.set_xlabel("engine step")
         ax.set_ylabel("step latency (ms)")
-        ax.legend(loc="upper left")
+        ctx_ax.set_ylabel("context tokens in flight")
+        ctx_ax.set_ylim(bottom=0)
+        ax.legend(loc="upper left", fontsize=8)
+        ctx_ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -328,7 +344,7 @@ def main() -> int:
                                         intermediate_size=512, max_position_embeddings=2048))
             B, prompt, gen, f = (32, 16, 128, 8) if q else (64, 32, 768, 16)
             kvb = kv_bytes(4, 4, 64, max((2 * B + 1) * (prompt + gen + 8), 512 * 72) + 65536 // 4)
-            backends, desc = start_backends(stack, args.backend, workers, kvb)
+            backends, desc = start_backends(stack, "local", workers, kvb)
             base = EngineConfig(model=model, max_running=B, max_prefill_tokens=B * prompt, **backends["fcfs"])
             res = results["rheavy"] = {"model": "random Llama: hidden 256, 4 layers, 4 heads x 64, MLP 512",
                                        "backend": desc}
@@ -373,7 +389,7 @@ def predicted_ratio(pm: PerfModel, res: dict) -> float | None:
         s_ctx = res["runs"]["sls"]["summary"]["steady"]["max_context_tokens"]
     except KeyError:
         return None
-    return pm.step_time(b, s_ctx, 1, 2, overlap=False) / pm.step_time(b, f_ctx, 1, 2, overlap=False)
+    return pm.step_time(b, s_ctx, 1, 2, overlap=True) / pm.step_time(b, f_ctx, 1, 2, overlap=True)
 
 
 def run_7b(stack: ExitStack, tmp: Path, backend_kind: str, workers: int, quick: bool) -> dict:

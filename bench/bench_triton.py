@@ -11,11 +11,17 @@ from the first submission to the last final response.
            requests (stream=True), text deltas decoded in this process
 The two run one after the other (never at once: they would share the cores), `--repeats` times
 each, alternating; the JSON holds the medians and triton_over_engine_throughput (target >= 0.9).
+
+On a machine shared with other work, wall-clock tokens/s favours the side with more runnable
+threads (tritonserver + stub + client get more of a contended CPU than one process), so the JSON
+also gives tokens per CPU-second of all processes involved (this one, and for Triton the server
+and its stub) and their ratio, triton_over_engine_cpu_efficiency.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import statistics
 import sys
@@ -39,6 +45,22 @@ def sampling(max_tokens: int) -> dict:
     return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
 
 
+def cpu_seconds(pids=()) -> float:
+    """CPU time (user + system) of this process and of the processes `pids` with their children."""
+    import psutil
+
+    t = time.process_time()
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            for p in [proc, *proc.children(recursive=True)]:
+                c = p.cpu_times()
+                t += c.user + c.system
+        except psutil.Error:
+            pass
+    return t
+
+
 def run_engine(config: EngineConfig, texts: list[str], max_tokens: int) -> dict:
     from fastdecode.engine import Engine, SamplingParams
 
@@ -49,6 +71,7 @@ def run_engine(config: EngineConfig, texts: list[str], max_tokens: int) -> dict:
         done = threading.Event()
         lock = threading.Lock()
         state = {"tokens": 0, "finished": 0, "first": {}}
+        cpu0 = cpu_seconds()
         t0 = time.perf_counter()
 
         def on_output(out):
@@ -66,10 +89,11 @@ def run_engine(config: EngineConfig, texts: list[str], max_tokens: int) -> dict:
         if not done.wait(1800):
             raise RuntimeError("engine run did not finish in 30 minutes")
         wall = time.perf_counter() - t0
+        cpu = cpu_seconds() - cpu0
     finally:
         engine.stop()
-    return {"tokens": state["tokens"], "wall_s": wall, "tokens_per_s": state["tokens"] / wall,
-            "ttft_median_s": statistics.median(state["first"].values())}
+    return {"tokens": state["tokens"], "wall_s": wall, "tokens_per_s": state["tokens"] / wall, "cpu_s": cpu,
+            "tokens_per_cpu_s": state["tokens"] / cpu, "ttft_median_s": statistics.median(state["first"].values())}
 
 
 def run_triton(server, texts: list[str], max_tokens: int) -> dict:
@@ -89,6 +113,8 @@ def run_triton(server, texts: list[str], max_tokens: int) -> dict:
                 raise RuntimeError(f"warm-up failed: {error}")
             if result.get_response().parameters["triton_final_response"].bool_param:
                 break
+        pids = [server.proc.pid]
+        cpu0 = cpu_seconds(pids)
         t0 = time.perf_counter()
         for i, text in enumerate(texts):
             c.async_stream_infer("fastdecode", client.build_inputs(text, sampling(max_tokens), extra={
@@ -105,11 +131,12 @@ def run_triton(server, texts: list[str], max_tokens: int) -> dict:
             if r.parameters["triton_final_response"].bool_param:
                 finished += 1
         wall = time.perf_counter() - t0
+        cpu = cpu_seconds(pids) - cpu0
     finally:
         c.stop_stream()
         c.close()
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "ttft_median_s": statistics.median(first.values())}
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "cpu_s": cpu,
+            "tokens_per_cpu_s": tokens / cpu, "ttft_median_s": statistics.median(first.values())}
 
 
 def main(argv=None) -> int:
@@ -142,13 +169,13 @@ def main(argv=None) -> int:
             repo = write_model_repository(Path(tmp) / "model_repository", params)
             for rep in range(args.repeats):
                 r = run_engine(config, texts, args.max_tokens)
-                print(f"engine  #{rep}: {r['tokens']} tokens in {r['wall_s']:.2f} s = {r['tokens_per_s']:.1f} tok/s",
-                      file=sys.stderr)
+                print(f"engine  #{rep}: {r['tokens']} tokens in {r['wall_s']:.2f} s = {r['tokens_per_s']:.1f} tok/s, "
+                      f"{r['tokens_per_cpu_s']:.1f} tok/CPU-s", file=sys.stderr)
                 results["engine"].append(r)
                 with TritonServer(repo, Path(tmp) / f"triton{rep}", exit_timeout_s=5) as server:
                     r = run_triton(server, texts, args.max_tokens)
-                print(f"triton  #{rep}: {r['tokens']} tokens in {r['wall_s']:.2f} s = {r['tokens_per_s']:.1f} tok/s",
-                      file=sys.stderr)
+                print(f"triton  #{rep}: {r['tokens']} tokens in {r['wall_s']:.2f} s = {r['tokens_per_s']:.1f} tok/s, "
+                      f"{r['tokens_per_cpu_s']:.1f} tok/CPU-s", file=sys.stderr)
                 results["triton"].append(r)
         finally:
             if fleet is not None:
@@ -160,11 +187,16 @@ def main(argv=None) -> int:
                 raise SystemExit(f"{name} generated {r['tokens']} tokens, expected {expected}")
     engine_tps = statistics.median(r["tokens_per_s"] for r in results["engine"])
     triton_tps = statistics.median(r["tokens_per_s"] for r in results["triton"])
+    engine_eff = statistics.median(r["tokens_per_cpu_s"] for r in results["engine"])
+    triton_eff = statistics.median(r["tokens_per_cpu_s"] for r in results["triton"])
     report = {
         "benchmark": "triton", "model": args.model, "streams": args.streams, "max_tokens": args.max_tokens,
         "repeats": args.repeats, "attention": "remote" if args.rworkers else "local", "rworkers": args.rworkers,
         "engine_tokens_per_s": round(engine_tps, 2), "triton_tokens_per_s": round(triton_tps, 2),
         "triton_over_engine_throughput": round(triton_tps / engine_tps, 4), "target": 0.9,
+        "engine_tokens_per_cpu_s": round(engine_eff, 2), "triton_tokens_per_cpu_s": round(triton_eff, 2),
+        "triton_over_engine_cpu_efficiency": round(triton_eff / engine_eff, 4),
+        "load_average_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
         "engine_ttft_median_s": round(statistics.median(r["ttft_median_s"] for r in results["engine"]), 4),
         "triton_ttft_median_s": round(statistics.median(r["ttft_median_s"] for r in results["triton"]), 4),
         "runs": results, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -173,7 +205,8 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"engine {engine_tps:.1f} tok/s, triton {triton_tps:.1f} tok/s, "
-          f"triton/engine = {triton_tps / engine_tps:.3f} (target >= 0.9); wrote {out}")
+          f"triton/engine = {triton_tps / engine_tps:.3f} (target >= 0.9); per CPU-second: engine {engine_eff:.1f}, "
+          f"triton {triton_eff:.1f}, ratio {triton_eff / engine_eff:.3f}; wrote {out}")
     return 0
 
 

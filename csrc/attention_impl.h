@@ -98,27 +98,38 @@ static void scores_int4(const Layout& L, const uint8_t* head, int n, const float
   }
 }
 
-// Online softmax over one block of scores p[0..n) (log2 units). On return
-// p[t] = 2^(s_t - m_new) with zeros up to the next multiple of W; m, l updated.
-// Returns the factor the accumulator must be scaled by.
-static float softmax_block(float* p, int n, float& m, float& l) {
+// Online softmax over one block for the GT heads of a tile; the heads are
+// independent, so their reductions overlap. P[g][0..n) holds scores in log2
+// units; on return 2^(s - m_new), with zeros up to the next multiple of W.
+// m[g] is the running max, l[g * W ..] the running sum as W lanes, and
+// corr[g] the factor the accumulators of head g must be scaled by.
+template <int GT>
+static void softmax_tile(float* P, int bsp, int n, float* m, float* l, float* corr) {
   const int nr = (n + W - 1) / W * W;
-  for (int t = n; t < nr; ++t) p[t] = -__builtin_inff();
-  F mx = V::set1(-__builtin_inff());
-  for (int c0 = 0; c0 < nr; c0 += W) mx = V::max(mx, V::load(p + c0));
-  const float bm = V::hmax(mx);
-  const float m_new = m > bm ? m : bm;
-  const float corr = m_new == m ? 1.0f : __builtin_exp2f(m - m_new);  // 0 on the first block (m = -inf)
-  const F mv = V::set1(m_new);
-  F sum = V::zero();
-  for (int c0 = 0; c0 < nr; c0 += W) {
-    const F e = V::exp2(V::sub(V::load(p + c0), mv));
-    V::store(p + c0, e);
-    sum = V::add(sum, e);
+  float m_new[GT];
+  for (int g = 0; g < GT; ++g) {
+    float* p = P + g * bsp;
+    for (int t = n; t < nr; ++t) p[t] = -__builtin_inff();
+    F mx = V::load(p);
+    for (int c0 = W; c0 < nr; c0 += W) mx = V::max(mx, V::load(p + c0));
+    const float bm = V::hmax(mx);
+    m_new[g] = m[g] > bm ? m[g] : bm;
   }
-  l = l * corr + V::hsum(sum);
-  m = m_new;
-  return corr;
+  for (int g = 0; g < GT; ++g) {
+    corr[g] = m_new[g] == m[g] ? 1.0f : __builtin_exp2f(m[g] - m_new[g]);  // 0 on the first block
+    m[g] = m_new[g];
+  }
+  for (int g = 0; g < GT; ++g) {
+    float* p = P + g * bsp;
+    const F mv = V::set1(m_new[g]);
+    F sum = V::mul(V::set1(corr[g]), V::load(l + g * W));
+    for (int c0 = 0; c0 < nr; c0 += W) {
+      const F e = V::exp2(V::sub(V::load(p + c0), mv));
+      V::store(p + c0, e);
+      sum = V::add(sum, e);
+    }
+    V::store(l + g * W, sum);
+  }
 }
 
 // Software prefetch of a later block's head region, spread over the PV token
@@ -246,10 +257,11 @@ static void tile(const Layout& L, const uint8_t* head, int n, const float* q, co
     scores_int4<GT>(L, head, n, q + g0 * D, st.qsum + g0 * ng, P);
   else
     scores_fp16<GT>(L, head, n, q + g0 * D, P);
+  float corr[GT];
+  softmax_tile<GT>(P, bsp, n, st.m + g0, st.l + g0 * W, corr);
   for (int g = 0; g < GT; ++g) {
-    const float corr = softmax_block(P + g * bsp, n, st.m[g0 + g], st.l[g0 + g]);
-    if (corr != 1.0f) {
-      const F c = V::set1(corr);
+    if (corr[g] != 1.0f) {
+      const F c = V::set1(corr[g]);
       for (int d = 0; d < D; d += W) V::store(acc + g * D + d, V::mul(c, V::load(acc + g * D + d)));
       for (int i = 0; i < ng * W; i += W) {
         float* z = st.zacc + (g0 + g) * ng * W + i;
@@ -292,7 +304,7 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
   ItemState st;
   float* s = align16(scratch);
   st.m = s;           s = align16(s + G);
-  st.l = s;           s = align16(s + G);
+  st.l = s;           s = align16(s + G * W);
   st.qsum = s;        s = align16(s + G * ng);
   st.acc = s;         s = align16(s + G * D);
   st.zacc = s;        s = align16(s + G * ng * 16);
@@ -305,8 +317,8 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
     const float* q = J.q + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h) * G) * D;
     for (int g = 0; g < G; ++g) {
       st.m[g] = -__builtin_inff();
-      st.l[g] = 0.0f;
     }
+    for (int i = 0; i < G * W; ++i) st.l[i] = 0.0f;
     for (int i = 0; i < G * D; ++i) st.acc[i] = 0.0f;
     for (int i = 0; i < G * ng * W; ++i) st.zacc[i] = 0.0f;
     for (int g = 0; g < G; ++g)
@@ -330,7 +342,7 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
     }
     float* out = J.out + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h) * G) * D;
     for (int g = 0; g < G; ++g) {
-      const float inv = 1.0f / st.l[g];
+      const float inv = 1.0f / V::hsum(V::load(st.l + g * W));
       for (int grp = 0; grp < ng; ++grp) {
         const float z = V::hsum(V::load(st.zacc + (g * ng + grp) * W));
         for (int d = grp * L.qgroup; d < (grp + 1) * L.qgroup; ++d) st.acc[g * D + d] += z;

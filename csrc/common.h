@@ -126,7 +126,7 @@ struct AttnJob {
 // Floats of scratch one thread needs for items of this shape (see run_items).
 inline size_t scratch_floats(const Layout& L, int G) {
   const size_t D = L.head_dim, bsp = L.bsp, ng = L.int4 ? D / L.qgroup : 0;
-  return 16 * 8 + 2 * G + G * ng + G * D + G * ng * 16 + G * bsp + 8 * ng * bsp + 64;
+  return 16 * 8 + G + G * 16 + G * ng + G * D + G * ng * 16 + G * bsp + 8 * ng * bsp + 64;
 }
 
 using ItemsFn = void (*)(const AttnJob&, int begin, int end, float* scratch);

@@ -142,15 +142,15 @@ class PerfModel:
                   overlap: bool = True) -> float:
         """Predicted seconds of one decode step of `batch` sequences holding `context`
         tokens in total, split into `minibatches` equal parts. overlap=True: S and R on
-        separate hardware, pipelined (per layer the slower side of each mini-batch pair
-        sets the pace); overlap=False: they share the cores, times add up."""
+        separate hardware, pipelined over two or more mini-batches (per layer the slower
+        side sets the pace); overlap=False or one mini-batch: the times add up."""
         if batch < 1:
             return 0.0
         parts = min(minibatches, batch)
         sizes = [batch * (j + 1) // parts - batch * j // parts for j in range(parts)]
         s = sum(self.T(b) for b in sizes)
         r = sum(self.r_time(context * b / batch, workers) for b in sizes)
-        per_layer = max(s, r) if overlap else s + r
+        per_layer = max(s, r) if overlap and parts > 1 else s + r
         return self.num_layers * per_layer + self.s_head(batch)
 
     def to_dict(self) -> dict:
@@ -259,15 +259,20 @@ def _timeit(fn, repeats: int, sync=lambda: None) -> float:
 
 def measure_s_part(model_dir: str, batches: Sequence[int] = DEFAULT_BATCHES, device: str = "cpu",
                    dtype: str = "float32", repeats: int = 5, layers: int = 2) -> tuple[dict, dict, dict]:
-    """T(B) and H(B) of the engine's model code on `device`. Weights are random: only the
-    shapes matter for time. Returns (T points, H points, model shape)."""
+    """T(B) and H(B) of the engine's code on `device`: T from the model's layer functions,
+    H = embedding + LM head + the engine's sampler + one incremental detokenizer push per
+    sequence (the S-worker's per-step host work). Weights are random: only the shapes
+    matter for time. Returns (T points, H points, model shape)."""
     import torch
 
+    from fastdecode.engine.detokenizer import IncrementalDetokenizer
+    from fastdecode.engine.sampling import SamplingParams, sample
     from fastdecode.model.llama import LlamaModel, ModelArgs
     from fastdecode.model.loader import DTYPES
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     cfg = AutoConfig.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     args = ModelArgs.from_hf(cfg)
     n = max(1, min(layers, args.num_layers))
     small = ModelArgs(**{**asdict(args), "num_layers": n})
@@ -290,8 +295,14 @@ def measure_s_part(model_dir: str, batches: Sequence[int] = DEFAULT_BATCHES, dev
                     q, _, _ = model.pre_attention(i, h, pos)
                     h = model.post_attention(i, h, q.float())   # o has q's shape
 
+            greedy = [SamplingParams(temperature=0.0)] * b
+            detoks = [IncrementalDetokenizer(tokenizer) for _ in range(b)]
+            ids = list(range(10, 10 + b))
+
             def head_step() -> None:
-                model.logits(model.embed(tok)).argmax(dim=-1)
+                tokens = sample(model.logits(model.embed(tok)), greedy, [None] * b).tolist()
+                for d, t in zip(detoks, tokens):
+                    d.push(ids[t % b])
 
             t_points[b] = _timeit(layers_step, repeats, sync) / n
             h_points[b] = _timeit(head_step, repeats, sync)

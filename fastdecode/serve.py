@@ -111,8 +111,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 # ---- the model repository a server runs
 
 def pbtxt_parameters(params: Mapping[str, str]) -> str:
-    return "\n".join(f'parameters {{ key: {json.dumps(k)} value {{ string_value: {json.dumps(str(v))} }} }}'
+    return "\n".join(f'parameters {{ key: {_quote(k)} value {{ string_value: {_quote(v)} }} }}'
                      for k, v in params.items())
+
+
+def _quote(value) -> str:
+    """A protobuf text-format string literal (JSON's escapes minus \\u: non-ASCII stays UTF-8)."""
+    return json.dumps(str(value), ensure_ascii=False)
 
 
 def write_model_repository(dest: str | os.PathLike, parameters: Mapping[str, str] | None = None,

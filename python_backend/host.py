@@ -54,12 +54,14 @@ _STOP = object()
 class EngineHost:
     def __init__(self, engine, transport: Transport, metrics: Metrics | None = None, *,
                  make_params: Callable[[dict], Any] | None = None, cancel_poll_s: float = 0.1,
-                 metrics_interval_s: float = 1.0, crash_grace_s: float = 1.0):
+                 metrics_interval_s: float = 1.0, crash_grace_s: float = 1.0, cancel_poll_batch: int = 32):
         self.engine = engine
         self.transport = transport
         self.metrics = metrics
         self.make_params = make_params or _engine_sampling_params
         self.cancel_poll_s = cancel_poll_s
+        self.cancel_poll_batch = max(1, cancel_poll_batch)
+        self._poll_cursor = 0
         self.metrics_interval_s = metrics_interval_s
         self.crash_grace_s = crash_grace_s
         self.healthy = True
@@ -195,9 +197,17 @@ class EngineHost:
             self.transport.log("warn", f"fastdecode: abort of {live.request_id} failed: {e}")
 
     def _poll_cancelled(self) -> None:
+        """Ask Triton about at most `cancel_poll_batch` live requests per tick, round robin: each
+        question is an IPC round trip, and 128 streams polled every 100 ms would cost more CPU
+        than the answers are worth (a cancelled request is then seen within N/batch ticks)."""
         with self._lock:
             candidates = [live for live in self._live.values() if not live.cancelled]
-        for live in candidates:
+        if not candidates:
+            return
+        start = self._poll_cursor % len(candidates)
+        chosen = (candidates[start:] + candidates[:start])[: self.cancel_poll_batch]
+        self._poll_cursor = start + len(chosen)
+        for live in chosen:
             try:
                 cancelled = self.transport.is_cancelled(live.sender)
             except Exception:

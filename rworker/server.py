@@ -18,6 +18,8 @@ from rworker.service import RWorkerService, default_store_factory
 
 log = logging.getLogger("rworker")
 SERVICE_NAME = "fastdecode.rworker.RWorker"
+HTTP2_WINDOW_BYTES = 16 << 20
+HTTP2_FRAME_BYTES = (1 << 24) - 1        # the largest HTTP/2 allows
 
 
 @dataclass
@@ -49,6 +51,10 @@ class RWorkerServer:
             interceptors=[TokenInterceptor(opts.token)] if opts.token else [],
             options=[("grpc.max_receive_message_length", opts.max_message_bytes),
                      ("grpc.max_send_message_length", opts.max_message_bytes),
+                     # A step's message is a few hundred KB: a 64 KB flow-control window would make
+                     # each one wait for window updates, one scheduler wake-up of each side apiece.
+                     ("grpc.http2.lookahead_bytes", HTTP2_WINDOW_BYTES),
+                     ("grpc.http2.max_frame_size", HTTP2_FRAME_BYTES),
                      ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=opts.max_connections + 8)
         pb_grpc.add_RWorkerServicer_to_server(self.service, self.server)

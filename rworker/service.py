@@ -77,6 +77,7 @@ class Connection:
         self.peer = peer
         self.config: tuple | None = None
         self.seqs: set[int] = set()          # client-side ids open on this connection
+        self.closed = False                  # set under the service lock once its sequences are freed
 
 
 class RWorkerService(pb_grpc.RWorkerServicer):
@@ -147,6 +148,7 @@ class RWorkerService(pb_grpc.RWorkerServicer):
         with self.lock:
             if self.connections.pop(conn.number, None) is None:
                 return
+            conn.closed = True
             if conn.seqs and self.store is not None:
                 self.store.free(np.fromiter(conn.seqs, np.int64) + conn.base)
             freed = len(conn.seqs)
@@ -204,6 +206,8 @@ class RWorkerService(pb_grpc.RWorkerServicer):
             raise CallError(grpc.StatusCode.ALREADY_EXISTS,
                             f"sequence id(s) already open: {sorted(conn.seqs.intersection(m.seq_ids))[:8]}")
         with self.lock:
+            if conn.closed:                  # the stream ended while this call waited for the lock
+                raise CallError(grpc.StatusCode.CANCELLED, "connection closed")
             total = sum(len(c.seqs) for c in self.connections.values())
             if total + len(ids) > self.max_sequences:
                 raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -280,6 +280,7 @@ def test_lost_sequences_rebuilt_output_identical(tiny_model_dir, minibatches, wi
 
     def run(backend_factory):
         engine = Engine(config)
+        engine.runner.min_minibatch = 1           # split even this small batch
         if backend_factory:
             engine.backend = engine.runner.backend = backend_factory(engine.spec)
         try:
@@ -312,3 +313,45 @@ def test_lost_sequences_without_workers_end_with_error(tiny_model_dir):
         assert engine.healthy
     finally:
         engine.stop()
+
+
+class RecordingBackend(TorchAttention):
+    """Futures complete only when waited for, so the call order shows the pipeline."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.events = []
+
+    def submit_decode(self, layer, seq_ids, q, k, v):
+        self.events.append(("submit", layer, tuple(seq_ids)))
+        inner = super().submit_decode(layer, seq_ids, q, k, v)
+        events = self.events
+
+        class Lazy(Future):
+            def result(self, timeout=None):
+                events.append(("wait", layer, tuple(seq_ids)))
+                return inner.result()
+
+        fut = Lazy()
+        fut.set_result(None)
+        return fut
+
+
+def test_two_minibatches_ping_pong(tiny_model_dir):
+    engine = Engine(EngineConfig(model=tiny_model_dir, attention="torch", num_minibatches=2))
+    engine.runner.min_minibatch = 1
+    rec = RecordingBackend(engine.spec)
+    engine.backend = engine.runner.backend = rec
+    try:
+        for p in ["a b", "c d", "e f", "g h"]:
+            engine.add_request(p, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        drain(engine)
+    finally:
+        engine.stop()
+    a, b = (1, 2), (3, 4)
+    layers = engine.args.num_layers
+    expected = [("submit", 0, a), ("submit", 0, b)]
+    for i in range(1, layers):
+        expected += [("wait", i - 1, a), ("submit", i, a), ("wait", i - 1, b), ("submit", i, b)]
+    expected += [("wait", layers - 1, a), ("wait", layers - 1, b)]
+    assert rec.events == expected      # B's attention is in flight while A's S-Part runs, and back

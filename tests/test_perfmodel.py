@@ -90,6 +90,8 @@ def test_step_time_overlap_and_serial():
     head = 1e-3 + 1e-6 * 64
     assert pm.step_time(batch, ctx, 1, 2, overlap=False) == pytest.approx(10 * 2 * (t + r) + head)
     assert pm.step_time(batch, ctx, 1, 2, overlap=True) == pytest.approx(10 * max(2 * t, 2 * r) + head)
+    t64, r64 = A + B_SLOPE * 64, 1e-4 + 1e-7 * ctx
+    assert pm.step_time(batch, ctx, 1, 1, overlap=True) == pytest.approx(10 * (t64 + r64) + head)   # no pipeline
     r4 = 1e-4 + 1e-7 * ctx / 2 / 4
     assert pm.step_time(batch, ctx, 4, 2, overlap=False) == pytest.approx(10 * 2 * (t + r4) + head)
 

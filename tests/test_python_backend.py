@@ -480,3 +480,25 @@ def test_engine_config_from_dict_still_accepts_what_serve_writes():
     # fastdecode.serve writes these keys into config.pbtxt; EngineConfig must accept them.
     cfg = EngineConfig.from_dict({"model": "m", "attention": "remote", "rworkers": "a:1,b:2"})
     assert cfg.rworkers == ("a:1", "b:2")
+
+
+def test_cancellation_polling_is_bounded_and_round_robin():
+    engine, t = FakeEngine(reply="q" * 100000, step_s=0.01), FakeTransport()
+    asked = []
+    real = t.is_cancelled
+    t.is_cancelled = lambda sender: asked.append(sender) or real(sender)
+    h = EngineHost(engine, t, make_params=make_params, cancel_poll_s=0.01, cancel_poll_batch=3)
+    engine.start()
+    try:
+        for i in range(7):
+            h.submit(i, inputs(text_input="x", stream=True), '{"max_tokens": 1000}')
+        time.sleep(0.3)
+        assert set(asked) == set(range(7))                  # everyone gets asked ...
+        counts = [asked.count(i) for i in range(7)]
+        assert max(counts) - min(counts) <= 2                # ... about equally often
+        assert len(asked) <= 3 * (0.3 / 0.01 + 5)            # ... and at most 3 per tick
+        t.cancelled.add(5)
+        t.wait_final(5)
+        assert t.sent[5][-1][1].code == CANCELLED
+    finally:
+        h.shutdown()

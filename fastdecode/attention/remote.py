@@ -36,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastdecode.attention.base import AttentionBackend, AttentionError, KVCapacityError, KVSpec, SequencesLost
 from rworker.auth import bearer, channel_credentials
+from rworker.server import HTTP2_FRAME_BYTES, HTTP2_WINDOW_BYTES
 from rworker.proto import rworker_pb2 as pb
 from rworker.proto import rworker_pb2_grpc as pb_grpc
 
@@ -106,6 +107,8 @@ class _Worker:
 
     def _new_channel(self) -> grpc.Channel:
         options = [("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES),
+                   ("grpc.http2.lookahead_bytes", HTTP2_WINDOW_BYTES),     # see rworker/server.py
+                   ("grpc.http2.max_frame_size", HTTP2_FRAME_BYTES),
                    ("grpc.max_receive_message_length", 4 * MAX_MESSAGE_BYTES),
                    ("grpc.enable_retries", 0),
                    ("grpc.initial_reconnect_backoff_ms", 100),

@@ -58,6 +58,8 @@ class DecodeResult:
 
 
 class ModelRunner:
+    min_minibatch = 4    # smaller batches run as one: splitting them only adds overhead
+
     def __init__(self, model: LlamaModel, backend: AttentionBackend, device: str, num_minibatches: int) -> None:
         self.model = model
         self.backend = backend
@@ -71,7 +73,7 @@ class ModelRunner:
         tokens = torch.tensor(last_tokens, device=self.device)
         pos = torch.tensor(positions, device=self.device)
         h = self.model.embed(tokens)
-        parts = min(self.num_minibatches, n)
+        parts = max(1, min(self.num_minibatches, n // self.min_minibatch))
         bounds = [n * j // parts for j in range(parts + 1)]
         mbs = [MiniBatch(seq_ids[a:b], torch.arange(a, b), h[a:b], pos[a:b]) for a, b in zip(bounds, bounds[1:])]
         lost: list[int] = []

@@ -1,0 +1,108 @@
+"""fastdecode.serve without a server (repository writing, CLI arguments), and `serve start/stop`
+end to end (slow: it starts R-workers and tritonserver like `make serve`)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fastdecode import serve
+from fastdecode.config import REPO_ROOT
+from python_backend.config import build_configs, model_parameters
+
+
+def parse_config(text: str):
+    """A config.pbtxt parsed as Triton parses it (protobuf text format into ModelConfig)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+def parse_pbtxt_parameters(text: str) -> dict[str, str]:
+    return {k: v.string_value for k, v in parse_config(text).parameters.items()}
+
+
+def test_write_model_repository_sets_parameters_and_links_code(tmp_path):
+    repo = serve.write_model_repository(tmp_path / "repo", {"model": 'odd "dir"/мир', "rworkers": "a:1,b:2"})
+    text = (repo / "fastdecode" / "config.pbtxt").read_text()
+    params = parse_pbtxt_parameters(text)
+    assert params["model"] == 'odd "dir"/мир' and params["rworkers"] == "a:1,b:2"
+    assert text.count('key: "model"') == 1                    # replaced, not duplicated
+    assert params["scheduler"] == ""                           # untouched defaults stay
+    assert (repo / "fastdecode" / "1").resolve() == (REPO_ROOT / "model_repository" / "fastdecode" / "1")
+    assert (repo / "ensemble" / "config.pbtxt").read_text() == \
+        (REPO_ROOT / "model_repository" / "ensemble" / "config.pbtxt").read_text()
+    # what the model would build from it
+    engine, _ = build_configs(model_parameters({"parameters": {k: {"string_value": v} for k, v in params.items()}}))
+    assert engine.rworkers == ("a:1", "b:2") and engine.attention == "remote"
+    serve.write_model_repository(tmp_path / "repo", {"model": "again"})      # rewriting is fine
+    assert parse_pbtxt_parameters((repo / "fastdecode" / "config.pbtxt").read_text())["model"] == "again"
+
+
+def test_shipped_config_builds_the_default_engine_config():
+    text = (REPO_ROOT / "model_repository" / "fastdecode" / "config.pbtxt").read_text()
+    params = parse_pbtxt_parameters(text)
+    engine, host = build_configs(model_parameters({"parameters": {k: {"string_value": v} for k, v in params.items()}}))
+    assert engine.model == str(REPO_ROOT / "models" / "smollm2-135m-instruct")
+    assert engine.attention == "local" and engine.rworkers == ()
+    config = parse_config(text)
+    assert config.model_transaction_policy.decoupled and config.backend == "python"
+    assert [g.count for g in config.instance_group] == [1]
+    assert [i.name for i in config.input][:3] == ["text_input", "stream", "sampling_parameters"]
+    assert [o.name for o in config.output] == ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
+
+
+def test_cli_rejects_garbage(capsys):
+    with pytest.raises(SystemExit):
+        serve.main(["start", "--run-dir", "x", "--param", "no-equals-sign"])
+    with pytest.raises(SystemExit):
+        serve.main(["start", "--run-dir", "x", "--rworkers", "many"])
+    with pytest.raises(SystemExit):
+        serve.main(["launch"])
+
+
+def test_stop_without_a_server_is_harmless(tmp_path, capsys):
+    assert serve.main(["stop", "--run-dir", str(tmp_path)]) == 0
+    assert "no tritonserver recorded" in capsys.readouterr().err
+
+
+def test_server_env_puts_this_python_first():
+    env = serve.server_env()
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+    assert env["LD_LIBRARY_PATH"].split(os.pathsep)[-1].endswith("nvidia_pytriton.libs")
+
+
+@pytest.mark.slow
+@pytest.mark.triton
+@pytest.mark.skipif(not serve.tritonserver_binary().exists(), reason="tritonserver binary missing")
+def test_serve_start_and_stop_like_make_serve(tiny_model_dir, tmp_path):
+    ports = [str(serve.free_port()) for _ in range(3)]
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fastdecode.serve"]
+    start = subprocess.run([*cmd, "start", "--model", tiny_model_dir, "--rworkers", "1", "--kv-capacity", "64M",
+                            "--run-dir", str(run_dir), "--http-port", ports[0], "--grpc-port", ports[1],
+                            "--metrics-port", ports[2]], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    try:
+        assert start.returncode == 0, start.stderr
+        assert "ready. one streamed completion" in start.stderr and f"127.0.0.1:{ports[1]}" in start.stdout
+        pid = int((run_dir / "tritonserver.pid").read_text())
+        assert serve.http_ok(f"http://127.0.0.1:{ports[0]}/v2/health/ready")
+        again = subprocess.run([*cmd, "start", "--model", tiny_model_dir, "--run-dir", str(run_dir)],
+                               capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+        assert again.returncode == 1 and "already runs" in again.stderr
+    finally:
+        stop = subprocess.run([*cmd, "stop", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120,
+                              cwd=REPO_ROOT)
+    assert stop.returncode == 0, stop.stderr
+    assert "stopped tritonserver" in stop.stderr and "stopped 1 R-worker" in stop.stderr
+    deadline = time.monotonic() + 10
+    while serve._alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not serve._alive(pid)
+    assert not serve.http_ok(f"http://127.0.0.1:{ports[0]}/v2/health/ready")
