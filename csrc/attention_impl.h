@@ -34,20 +34,24 @@ static void scores_fp16(const Layout& L, const uint8_t* head, int n, const float
   constexpr int C = qk_chains<GT>();
   const int D = L.head_dim, bsp = L.bsp;
   const uint16_t* K = reinterpret_cast<const uint16_t*>(head + L.k_off);
+  const ptrdiff_t rs = bsp;  // one row: one channel of bsp tokens
   for (int c0 = 0; c0 < n; c0 += W) {
     F s[GT][C];
     for (int g = 0; g < GT; ++g)
       for (int j = 0; j < C; ++j) s[g][j] = V::zero();
+    const uint16_t* kp = K + c0;
+    const float* qp[GT];
+    for (int g = 0; g < GT; ++g) qp[g] = q + g * D;
     int d = 0;
-    for (; d + C <= D; d += C) {
+    for (; d + C <= D; d += C, kp += C * rs) {
       for (int j = 0; j < C; ++j) {
-        const F k = V::load_h(K + static_cast<size_t>(d + j) * bsp + c0);
-        for (int g = 0; g < GT; ++g) s[g][j] = V::fma(V::set1(q[g * D + d + j]), k, s[g][j]);
+        const F k = V::load_h(kp + j * rs);
+        for (int g = 0; g < GT; ++g) s[g][j] = V::fma(V::set1(qp[g][d + j]), k, s[g][j]);
       }
     }
-    for (; d < D; ++d) {
-      const F k = V::load_h(K + static_cast<size_t>(d) * bsp + c0);
-      for (int g = 0; g < GT; ++g) s[g][0] = V::fma(V::set1(q[g * D + d]), k, s[g][0]);
+    for (; d < D; ++d, kp += rs) {
+      const F k = V::load_h(kp);
+      for (int g = 0; g < GT; ++g) s[g][0] = V::fma(V::set1(qp[g][d]), k, s[g][0]);
     }
     for (int g = 0; g < GT; ++g) {
       F t = s[g][0];
@@ -73,15 +77,16 @@ static void scores_int4(const Layout& L, const uint8_t* head, int n, const float
       F r[GT][2 * R];
       for (int g = 0; g < GT; ++g)
         for (int j = 0; j < 2 * R; ++j) r[g][j] = V::zero();
-      for (int pr = 0; pr < qg / 2; pr += R) {
-        const int d = grp * qg + 2 * pr;
+      const uint8_t* kr = Kn + static_cast<ptrdiff_t>(grp * qg / 2) * bsp + c0;  // channel-pair rows
+      const float* qd[GT];
+      for (int g = 0; g < GT; ++g) qd[g] = q + g * D + grp * qg;
+      for (int pr = 0; pr < qg / 2; pr += R, kr += R * static_cast<ptrdiff_t>(bsp)) {
         F lo[R], hi[R];
-        for (int j = 0; j < R; ++j) V::nib(Kn + static_cast<size_t>(grp * qg / 2 + pr + j) * bsp + c0, lo[j], hi[j]);
+        for (int j = 0; j < R; ++j) V::nib(kr + j * static_cast<ptrdiff_t>(bsp), lo[j], hi[j]);
         for (int g = 0; g < GT; ++g) {
-          const float* qd = q + g * D + d;
           for (int j = 0; j < R; ++j) {
-            r[g][2 * j] = V::fma(V::set1(qd[2 * j]), lo[j], r[g][2 * j]);
-            r[g][2 * j + 1] = V::fma(V::set1(qd[2 * j + 1]), hi[j], r[g][2 * j + 1]);
+            r[g][2 * j] = V::fma(V::set1(qd[g][2 * pr + 2 * j]), lo[j], r[g][2 * j]);
+            r[g][2 * j + 1] = V::fma(V::set1(qd[g][2 * pr + 2 * j + 1]), hi[j], r[g][2 * j + 1]);
           }
         }
       }
@@ -156,12 +161,15 @@ static void pv_fp16_chunk(const uint16_t* Vr, int D, int n, const float* P, int 
   F a[GT][DC];
   for (int g = 0; g < GT; ++g)
     for (int j = 0; j < DC; ++j) a[g][j] = V::load(acc + g * D + d0 + j * W);
-  for (int t = 0; t < n; ++t) {
+  const uint16_t* vp = Vr + d0;
+  const float* pg[GT];
+  for (int g = 0; g < GT; ++g) pg[g] = P + g * bsp;
+  for (int t = 0; t < n; ++t, vp += D) {
     pf.step();
     F v[DC];
-    for (int j = 0; j < DC; ++j) v[j] = V::load_h(Vr + static_cast<size_t>(t) * D + d0 + j * W);
+    for (int j = 0; j < DC; ++j) v[j] = V::load_h(vp + j * W);
     for (int g = 0; g < GT; ++g) {
-      const F p = V::set1(P[g * bsp + t]);
+      const F p = V::set1(pg[g][t]);
       for (int j = 0; j < DC; ++j) a[g][j] = V::fma(p, v[j], a[g][j]);
     }
   }
@@ -193,13 +201,16 @@ static void pv_int4_groups(int D, int ng, int half, int bsp, int n, const uint8_
           hi_acc[g][c] = V::load(acc + g * D + (g0 + c) * qg + half + i);
         }
       const uint8_t* src = Vn + g0 * half + i;
-      for (int t = 0; t < n; ++t) {
+      const float* cg[GT][GC];  // per-token coefficients p_t * scale_t of (head, group)
+      for (int g = 0; g < GT; ++g)
+        for (int c = 0; c < GC; ++c) cg[g][c] = Cc + (g * ng + g0 + c) * bsp;
+      for (int t = 0; t < n; ++t, src += D / 2) {
         pf.step();
         for (int c = 0; c < GC; ++c) {
           F lo, hi;
-          V::nib(src + static_cast<size_t>(t) * (D / 2) + c * half, lo, hi);
+          V::nib(src + c * half, lo, hi);
           for (int g = 0; g < GT; ++g) {
-            const F coef = V::set1(Cc[(g * ng + g0 + c) * bsp + t]);
+            const F coef = V::set1(cg[g][c][t]);
             lo_acc[g][c] = V::fma(coef, lo, lo_acc[g][c]);
             hi_acc[g][c] = V::fma(coef, hi, hi_acc[g][c]);
           }

@@ -18,11 +18,13 @@ import torch
 
 from fastdecode.attention import KVSpec, create_backend
 from fastdecode.config import EngineConfig
+from fastdecode.engine.engine import share_cores
 from fastdecode.engine.model_runner import ModelRunner
 from fastdecode.model.loader import load_model
 
 
-def perplexity(config: EngineConfig, text: str, prefix: int = 8, chunks: int = 4, loaded=None) -> dict:
+def perplexity(config: EngineConfig, text: str, prefix: int = 8, chunks: int = 8, loaded=None) -> dict:
+    config = share_cores(config, config.torch_device)
     loaded = loaded or load_model(config.model, config.dtype, config.torch_device, config.max_model_len)
     a = loaded.args
     ids = loaded.tokenizer(text)["input_ids"]

@@ -297,12 +297,11 @@ def measure_s_part(model_dir: str, batches: Sequence[int] = DEFAULT_BATCHES, dev
 
             greedy = [SamplingParams(temperature=0.0)] * b
             detoks = [IncrementalDetokenizer(tokenizer) for _ in range(b)]
-            ids = list(range(10, 10 + b))
 
             def head_step() -> None:
                 tokens = sample(model.logits(model.embed(tok)), greedy, [None] * b).tolist()
                 for d, t in zip(detoks, tokens):
-                    d.push(ids[t % b])
+                    d.push(t)
 
             t_points[b] = _timeit(layers_step, repeats, sync) / n
             h_points[b] = _timeit(head_step, repeats, sync)

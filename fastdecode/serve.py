@@ -262,7 +262,9 @@ def log_tail(path: Path, lines: int = 25) -> str:
 
 
 def stop_process(pid: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    """SIGTERM the process group we started, SIGKILL it after `timeout` seconds."""
+    """Stop the tritonserver we started (it leads its own process group): SIGTERM, SIGKILL after
+    `timeout` s. Then end what is left of its group -- Python-backend stubs outlive a server
+    that gave up waiting for a model to unload -- and unlink their shared-memory regions."""
     def gone() -> bool:
         if proc is not None:
             return proc.poll() is not None
@@ -272,16 +274,50 @@ def stop_process(pid: int, timeout: float, proc: subprocess.Popen | None = None)
             return True
         return _is_zombie(pid)
 
+    shm = [arg for member in _group_members(pid) for arg in _cmdline(member)
+           if arg.startswith("triton_python_backend_shm_region")]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pid, sig)
         except (ProcessLookupError, PermissionError):
-            return
+            break
         deadline = time.monotonic() + timeout
         while not gone() and time.monotonic() < deadline:
             time.sleep(0.1)
         if gone():
-            return
+            break
+    deadline = time.monotonic() + 5.0
+    while _group_members(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _group_members(pid):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for name in shm:
+        Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (zombies excluded)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
 
 
 def _is_zombie(pid: int) -> bool:

@@ -15,11 +15,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rworker.auth import TokenInterceptor, server_credentials
 from rworker.proto import rworker_pb2_grpc as pb_grpc
 from rworker.service import RWorkerService, default_store_factory
+from rworker.wire import HTTP2_OPTIONS
 
 log = logging.getLogger("rworker")
 SERVICE_NAME = "fastdecode.rworker.RWorker"
-HTTP2_WINDOW_BYTES = 16 << 20
-HTTP2_FRAME_BYTES = (1 << 24) - 1        # the largest HTTP/2 allows
 
 
 @dataclass
@@ -51,10 +50,7 @@ class RWorkerServer:
             interceptors=[TokenInterceptor(opts.token)] if opts.token else [],
             options=[("grpc.max_receive_message_length", opts.max_message_bytes),
                      ("grpc.max_send_message_length", opts.max_message_bytes),
-                     # A step's message is a few hundred KB: a 64 KB flow-control window would make
-                     # each one wait for window updates, one scheduler wake-up of each side apiece.
-                     ("grpc.http2.lookahead_bytes", HTTP2_WINDOW_BYTES),
-                     ("grpc.http2.max_frame_size", HTTP2_FRAME_BYTES),
+                     *HTTP2_OPTIONS,
                      ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=opts.max_connections + 8)
         pb_grpc.add_RWorkerServicer_to_server(self.service, self.server)

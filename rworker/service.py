@@ -18,12 +18,12 @@ import numpy as np
 
 from rworker.proto import rworker_pb2 as pb
 from rworker.proto import rworker_pb2_grpc as pb_grpc
+from rworker.wire import WIRE_DTYPES
 
 log = logging.getLogger("rworker")
 
 ID_BITS = 40                                 # client sequence ids: 0 <= id < 2**40
 MAX_IDS_PER_CALL = 1 << 16
-WIRE_DTYPES = {"float16": np.float16, "float32": np.float32}
 KV_FORMATS = ("fp16", "int4")
 MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 4096, 4096, 1024
 OK = grpc.StatusCode.OK
@@ -47,16 +47,11 @@ def tensor_to_numpy(t: pb.Tensor, name: str) -> np.ndarray:
     if any(n < 0 for n in shape):
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: negative dimension in shape {shape}")
     expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    if len(t.data) != expected:
+    data = t.data                            # each access of a bytes field copies it: once only
+    if len(data) != expected:
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{name}: {len(t.data)} bytes for shape {shape} {t.dtype} (expected {expected})")
-    return np.frombuffer(t.data, dtype=dtype).reshape(shape)
-
-
-def numpy_to_tensor(a: np.ndarray, out: pb.Tensor) -> None:
-    out.data = a.tobytes()
-    out.shape[:] = a.shape
-    out.dtype = a.dtype.name
+                        f"{name}: {len(data)} bytes for shape {shape} {t.dtype} (expected {expected})")
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
 def default_store_factory(**kwargs):
@@ -266,7 +261,9 @@ class RWorkerService(pb_grpc.RWorkerServicer):
             except KeyError:
                 raise self._not_found(conn, m.seq_ids) from None
             reply.kernel_s = self._account(t0)
-        numpy_to_tensor(o if q.dtype == np.float32 else o.astype(q.dtype), reply.o)
+        o = o if q.dtype == np.float32 else o.astype(q.dtype)
+        reply.o.data, reply.o.dtype = o.tobytes(), o.dtype.name
+        reply.o.shape[:] = o.shape
 
     @staticmethod
     def _not_found(conn: Connection, seq_ids) -> CallError:

@@ -48,7 +48,7 @@ class Run:
             on_step(n)
 
     def close(self) -> None:
-        self.engine.backend.shutdown()
+        self.engine.stop()
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ def generate(config: EngineConfig, prompts=PROMPTS, max_tokens: int = 10) -> dic
         assert reasons == {i: "length" for i in ids}, reasons
         return tokens
     finally:
-        engine.backend.shutdown()
+        engine.stop()
 
 
 @pytest.fixture(scope="module")

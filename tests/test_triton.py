@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -62,6 +63,17 @@ def server(tiny_model_dir, fleet, tmp_path_factory):
     with TritonServer(repo, run_dir, exit_timeout_s=3) as s:
         s.crash_flag = crash_flag
         yield s
+        pid = s.proc.pid
+    # nothing outlives the server: no stub process, no shared-memory region
+    from fastdecode.serve import _group_members
+
+    assert _group_members(pid) == []
+    assert not [p for p in Path("/dev/shm").glob("triton_python_backend_shm_region*") if _created_by(p, run_dir)]
+
+
+def _created_by(shm: Path, run_dir: Path) -> bool:
+    """Shared-memory regions carry no owner; ours are the ones younger than this server's run dir."""
+    return shm.stat().st_mtime >= run_dir.stat().st_mtime
 
 
 def generate(server, prompt, sampling=GREEDY, stream=True, **extra):

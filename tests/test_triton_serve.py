@@ -104,5 +104,5 @@ def test_serve_start_and_stop_like_make_serve(tiny_model_dir, tmp_path):
     deadline = time.monotonic() + 10
     while serve._alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not serve._alive(pid)
+    assert not serve._alive(pid) and serve._group_members(pid) == []      # no stub left behind
     assert not serve.http_ok(f"http://127.0.0.1:{ports[0]}/v2/health/ready")

@@ -36,9 +36,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastdecode.attention.base import AttentionBackend, AttentionError, KVCapacityError, KVSpec, SequencesLost
 from rworker.auth import bearer, channel_credentials
-from rworker.server import HTTP2_FRAME_BYTES, HTTP2_WINDOW_BYTES
 from rworker.proto import rworker_pb2 as pb
 from rworker.proto import rworker_pb2_grpc as pb_grpc
+from rworker.wire import HTTP2_OPTIONS, to_tensor
 
 log = logging.getLogger("fastdecode.remote")
 
@@ -76,10 +76,6 @@ def _numpy(x: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(x.detach().numpy())
 
 
-def _tensor(a: np.ndarray) -> pb.Tensor:
-    return pb.Tensor(data=a.tobytes(), shape=a.shape, dtype=a.dtype.name)
-
-
 class _Worker:
     """One R-worker: a channel, one Session stream and its pending calls."""
 
@@ -106,9 +102,8 @@ class _Worker:
         self.probing = False                   # a health check or reconnect is under way
 
     def _new_channel(self) -> grpc.Channel:
-        options = [("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES),
-                   ("grpc.http2.lookahead_bytes", HTTP2_WINDOW_BYTES),     # see rworker/server.py
-                   ("grpc.http2.max_frame_size", HTTP2_FRAME_BYTES),
+        options = [*HTTP2_OPTIONS,
+                   ("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", 4 * MAX_MESSAGE_BYTES),
                    ("grpc.enable_retries", 0),
                    ("grpc.initial_reconnect_backoff_ms", 100),
@@ -580,8 +575,8 @@ class RemoteAttention(AttentionBackend):
                 qa, ka, va = qn, kn, vn
             else:
                 qa, ka, va = qn[r, hq], kn[r, hk], vn[r, hk]
-            req = pb.Request(decode=pb.Decode(layer=layer, seq_ids=r_ids, q=_tensor(qa), k=_tensor(ka),
-                                              v=_tensor(va)))
+            req = pb.Request(decode=pb.Decode(layer=layer, seq_ids=r_ids, q=to_tensor(qa), k=to_tensor(ka),
+                                              v=to_tensor(va)))
             fut = w.send(req)
             fut.add_done_callback(lambda f, w=w, r=r, hq=hq: gather.part_done(f, w, r, hq))
         return gather.future
@@ -610,7 +605,7 @@ class RemoteAttention(AttentionBackend):
             for chunk_ids, chunk_lens, tok in self._prefill_chunks(rows, ids, lens, starts, budget):
                 for w, hk in zip(g.workers, self.kv_heads):
                     req = pb.Request(prefill=pb.Prefill(layer=layer, seq_ids=chunk_ids, lens=chunk_lens,
-                                                        k=_tensor(kn[tok, hk]), v=_tensor(vn[tok, hk])))
+                                                        k=to_tensor(kn[tok, hk]), v=to_tensor(vn[tok, hk])))
                     calls.append((g, w, chunk_ids, w.send(req)))
         lost, error = [], None
         for g, w, ids, fut in calls:

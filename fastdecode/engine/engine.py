@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -32,10 +33,23 @@ TRACE_KEEP = 4096            # trace records kept in memory
 MAX_REBUILD_ATTEMPTS = 3     # re-prefills of a sequence whose KV keeps getting lost in one step
 
 
+def share_cores(config: EngineConfig, device: str) -> EngineConfig:
+    """With the S-Part and the local R-Part kernel on the same CPU, give each half
+    the cores: they overlap (two mini-batches), and oversubscribed thread pools
+    spin against each other. kernel_threads set explicitly is left alone."""
+    if device != "cpu" or config.attention != "local" or config.kernel_threads:
+        return config
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    kernel = max(1, cores // 2)
+    torch.set_num_threads(max(1, cores - kernel))
+    return config.replace(kernel_threads=kernel)
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.device = config.torch_device
+        config = share_cores(config, self.device)
+        self.config = config
         loaded = load_model(config.model, config.dtype, self.device, config.max_model_len)
         self.model, self.tokenizer, self.args = loaded.model, loaded.tokenizer, loaded.args
         self.max_model_len = loaded.max_model_len

@@ -316,7 +316,11 @@ class SLSScheduler(Scheduler):
 
     def admit(self, step: int, waiting: Sequence[Candidate], num_running: int) -> int:
         self.step = step
-        self._blocked_head = None
+        n = self._admit(step, waiting, num_running)
+        self._blocked_head = waiting[0] if waiting and n == 0 else None    # for stats()
+        return n
+
+    def _admit(self, step: int, waiting: Sequence[Candidate], num_running: int) -> int:
         if not waiting:
             return 0
         idle = num_running == 0 and len(self.plan) == 0
@@ -344,21 +348,20 @@ class SLSScheduler(Scheduler):
                 lo = mid
             else:
                 hi = mid - 1
-        if lo == 0:
-            self._blocked_head = waiting[0]
         return lo
 
     def on_admitted(self, step: int, admitted: Sequence[Candidate]) -> None:
         if not admitted:
             return
+        rate = self.rate(admitted)        # before the sums below: the rate admit() used
         self.plan.add(step, admitted)
         self.next_admit = step + self.f
-        if not self.micro_batch:          # carry the fraction, never a backlog (no bursts)
-            self._credit = min(max(self._credit + self.rate() - len(admitted), 0.0), 0.999)
         self._len_sum += sum(c.max_len for c in admitted)
         self._len_count += len(admitted)
         self._tok_sum += sum(c.max_tokens for c in admitted)
         self._prompt_sum += sum(c.prompt_len for c in admitted)
+        if not self.micro_batch:          # carry the fraction, never a backlog (no bursts)
+            self._credit = min(max(self._credit + rate - len(admitted), 0.0), 0.999)
 
     def on_finished(self, step: int, request_id: int, generated_tokens: int) -> None:
         if request_id in self.plan:
@@ -369,7 +372,7 @@ class SLSScheduler(Scheduler):
         s = self.plan.stats(self.step)
         w_lim = self.w_lim()
         next_step = max(self.next_admit, self.step)
-        if self._blocked_head is not None:
+        if self._blocked_head is not None:    # the F rule and W_lim both say when; None: only when idle
             r = self.plan.earliest_step(self.step, [self._blocked_head], w_lim)
             next_step = max(next_step, r) if r is not None else None
         return {"policy": "sls", "f": self.f, "w_lim": w_lim, "target_len": self.target_len(),
