@@ -8,6 +8,7 @@ MODEL_DIR ?= models/smollm2-135m-instruct
 RUN_DIR ?= run
 RWORKERS ?= 2
 PYTEST_ARGS ?=
+SERVE_ARGS ?=
 
 TRITON_DIR = $(VENV)/lib/python3.11/site-packages/pytriton/tritonserver
 STUB = $(TRITON_DIR)/backends/python/triton_python_backend_stub
@@ -54,7 +55,7 @@ test-slow: setup
 
 # Main job: local R-workers + tritonserver with the default model, then a streamed completion.
 serve: setup
-	$(PY) -m fastdecode.serve start --model $(MODEL_DIR) --rworkers $(RWORKERS) --run-dir $(RUN_DIR)
+	$(PY) -m fastdecode.serve start --model $(MODEL_DIR) --rworkers $(RWORKERS) --run-dir $(RUN_DIR) $(SERVE_ARGS)
 
 stop:
 	-$(PY) -m fastdecode.serve stop --run-dir $(RUN_DIR)

@@ -1,7 +1,7 @@
 """Throughput through Triton vs the same workload on the engine in-process (`make bench-triton`).
 
     python bench/bench_triton.py [--model models/smollm2-135m-instruct] [--streams 128]
-                                 [--max-tokens 64] [--repeats 1] [--rworkers 0] [--out bench/results/triton.json]
+                                 [--max-tokens 64] [--repeats 3] [--rworkers 0] [--out bench/results/triton.json]
 
 Workload: `--streams` greedy requests with distinct prompts, each generating exactly
 `--max-tokens` tokens (ignore_eos), all submitted at once. Tokens/s = generated tokens / wall time
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--streams", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rworkers", type=int, default=0, help="local R-workers for both runs; 0 = in-process kernel")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="more EngineConfig settings")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "triton.json"))

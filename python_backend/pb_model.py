@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 from python_backend.config import build_configs, model_parameters
@@ -76,10 +77,9 @@ class FastDecodeModel:
                                                 "(model_transaction_policy { decoupled: True })")
         name = args["model_name"]
         engine_config, options = build_configs(model_parameters(model_config))
-        pb_utils.Logger.log_info(f"fastdecode: starting engine: {engine_config}")
+        shown = engine_config.replace(rworker_token="***") if engine_config.rworker_token else engine_config
+        pb_utils.Logger.log_info(f"fastdecode: starting engine: {shown}")
         self.engine = Engine(engine_config)
-        import torch
-
         pb_utils.Logger.log_info(f"fastdecode: engine on {self.engine.device}, torch threads {torch.get_num_threads()}")
         if options.fault_step_error_file:
             install_step_fault(self.engine, options.fault_step_error_file)
