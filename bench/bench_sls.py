@@ -333,7 +333,7 @@ def main() -> int:
     with ExitStack() as stack:
         if "default" in args.configs:
             model = str(DEFAULT_MODEL_DIR)
-            B, prompt, gen, f = (16, 16, 48, 8) if q else (32, 16, 96, 8)
+            B, prompt, gen, f = (16, 16, 48, 8) if q else (32, 16, 64, 8)
             kvb = kv_bytes(30, 3, 64, max(512 * 16, (2 * B + 1) * (prompt + gen + 8)) + 65536 // 30)
             backends, desc = start_backends(stack, args.backend, workers, kvb)
             base = EngineConfig(model=model, max_running=B, max_prefill_tokens=B * prompt, **backends["fcfs"])
@@ -417,12 +417,12 @@ def run_7b(stack: ExitStack, tmp: Path, backend_kind: str, workers: int, quick: 
     t = time.perf_counter()
     model = str(make_tiny_llama(tmp / "llama7b2", hidden_size=4096, num_layers=2, num_heads=32, num_kv_heads=32,
                                 intermediate_size=11008, max_position_embeddings=2048))
-    kvb = kv_bytes(2, 32, 128, 128 * 80 + 65536)
+    kvb = kv_bytes(2, 32, 128, 32 * 16 + 16384 + 1024)
     backend, desc = start_backend(stack, backend_kind, workers, kvb)
     base = EngineConfig(model=model, max_running=32, **backend)
-    pm = perf_model_for(model, base, (1, 8, 32) if quick else (1, 8, 32, 128), (4096, 16384, 65536), 3)
+    pm = perf_model_for(model, base, (1, 8, 32) if quick else (1, 8, 32, 128), (2048, 16384), 3)
     pm.save(RESULTS / "perfmodel_7b2.json")
-    check = model_check(pm, base, [8, 32] if quick else [32, 128], 4, 6)
+    check = model_check(pm, base, [8, 32], 4, 6)
     return {"model": "Llama-7B shapes (hidden 4096, 32 heads, MLP 11008), 2 layers, random weights",
             "backend": desc, "perf_model": "bench/results/perfmodel_7b2.json", "model_check": check,
             "T_ms_per_layer": {str(int(x)): y * 1e3 for x, y in zip(pm.s_layer.xs, pm.s_layer.ys)},
