@@ -14,7 +14,8 @@ where call_s is the wall time from submit_decode() until its future resolves (co
 serialisation, transport both ways, queueing on the worker, deserialisation) and kernel_s is
 the time the slowest worker of that call spent inside KVStore.decode, measured on the
 worker and returned in the reply (worker_handler_ms: the worker's whole handling of the
-call, parsing and reply building included). It is measured twice: in the pipelined run (the other
+call, parsing and reply building included; client_submit_ms: the S-worker's conversion,
+row gathering and serialisation inside submit_decode). It is measured twice: in the pipelined run (the other
 mini-batch's S-Part competes with the workers for the same 2 cores, so "waiting" includes
 CPU contention), and with one mini-batch (`comm_share_unpipelined`), where the S-worker idles
 during each call and the share is serialisation + transport + worker-side overhead alone.
@@ -93,8 +94,10 @@ def time_decode(model, backend, spec, batch: int, context: int, steps: int, mini
         wall = after["decode_wall_s"] - before["decode_wall_s"]
         kernel = after["decode_kernel_s"] - before["decode_kernel_s"]
         handler = after["decode_handler_s"] - before["decode_handler_s"]
+        submit = after["decode_submit_s"] - before["decode_submit_s"]
         out.update(calls=calls, call_ms=1e3 * wall / calls, kernel_ms=1e3 * kernel / calls,
-                   worker_handler_ms=1e3 * handler / calls, comm_share=1.0 - kernel / wall)
+                   worker_handler_ms=1e3 * handler / calls, client_submit_ms=1e3 * submit / calls,
+                   comm_share=1.0 - kernel / wall)
     return out
 
 
@@ -144,6 +147,7 @@ def main() -> int:
                 r["comm_share_unpipelined"] = u["comm_share"]
                 r["call_ms_unpipelined"], r["kernel_ms_unpipelined"] = u["call_ms"], u["kernel_ms"]
                 r["worker_handler_ms_unpipelined"] = u["worker_handler_ms"]
+                r["client_submit_ms_unpipelined"] = u["client_submit_ms"]
                 print(f"remote B={b}: {r['step_s'] * 1e3:.1f} ms/step, comm_share {r['comm_share']:.3f} "
                       f"(unpipelined {u['comm_share']:.3f}; call {u['call_ms']:.2f} ms, kernel {u['kernel_ms']:.2f} ms)",
                       flush=True)

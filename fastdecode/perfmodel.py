@@ -259,13 +259,20 @@ def _timeit(fn, repeats: int, sync=lambda: None) -> float:
 
 def measure_s_part(model_dir: str, batches: Sequence[int] = DEFAULT_BATCHES, device: str = "cpu",
                    dtype: str = "float32", repeats: int = 5, layers: int = 2) -> tuple[dict, dict, dict]:
-    """T(B) and H(B) of the engine's code on `device`: T from the model's layer functions,
-    H = embedding + LM head + the engine's sampler + one incremental detokenizer push per
-    sequence (the S-worker's per-step host work). Weights are random: only the shapes
-    matter for time. Returns (T points, H points, model shape)."""
+    """T(B) and H(B) of the engine's code on `device`. T: the engine's ModelRunner decoding
+    one mini-batch of B through `layers` layers with an attention backend that costs
+    nothing (so the runner's per-layer work -- host copies of q/k/v, futures -- counts
+    with the layer's GEMMs and norms), less embedding + LM head, per layer. H: embedding +
+    LM head + the engine's sampler + one incremental detokenizer push per sequence (the
+    S-worker's per-step host work). Weights are random: only the shapes matter for time.
+    Returns (T points, H points, model shape)."""
+    from concurrent.futures import Future
+
     import torch
 
+    from fastdecode.attention.base import AttentionBackend, KVSpec
     from fastdecode.engine.detokenizer import IncrementalDetokenizer
+    from fastdecode.engine.model_runner import ModelRunner
     from fastdecode.engine.sampling import SamplingParams, sample
     from fastdecode.model.llama import LlamaModel, ModelArgs
     from fastdecode.model.loader import DTYPES
@@ -282,18 +289,31 @@ def measure_s_part(model_dir: str, batches: Sequence[int] = DEFAULT_BATCHES, dev
     model.rope.build(device)
     model.requires_grad_(False)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    class FreeAttention(AttentionBackend):        # o = 0 at once: only the S-worker's side is timed
+        def open(self, seq_ids): pass
+        def close(self, seq_ids): pass
+        def prefill(self, layer, seq_ids, lens, k, v): pass
+
+        def submit_decode(self, layer, seq_ids, q, k, v):
+            fut: Future = Future()
+            fut.set_result(torch.zeros(q.shape, dtype=torch.float32))
+            return fut
+
+    runner = ModelRunner(model, FreeAttention(KVSpec(n, args.num_heads, args.num_kv_heads, args.head_dim)),
+                         device, 1)
     t_points, h_points = {}, {}
     with torch.inference_mode():
         for b in batches:
-            h0 = torch.randn(b, args.hidden_size, device=device, dtype=DTYPES[dtype])
             pos = torch.randint(0, 2048, (b,), device=device)
             tok = torch.randint(0, args.vocab_size, (b,), device=device)
+            ids, tok_list, pos_list = list(range(b)), tok.tolist(), pos.tolist()
 
-            def layers_step() -> None:
-                h = h0
-                for i in range(n):
-                    q, _, _ = model.pre_attention(i, h, pos)
-                    h = model.post_attention(i, h, q.float())   # o has q's shape
+            def runner_step() -> None:
+                runner.decode(ids, tok_list, pos_list)
+
+            def ends() -> None:
+                model.logits(model.embed(tok))
 
             greedy = [SamplingParams(temperature=0.0)] * b
             detoks = [IncrementalDetokenizer(tokenizer) for _ in range(b)]
@@ -303,7 +323,8 @@ def measure_s_part(model_dir: str, batches: Sequence[int] = DEFAULT_BATCHES, dev
                 for d, t in zip(detoks, tokens):
                     d.push(t)
 
-            t_points[b] = _timeit(layers_step, repeats, sync) / n
+            total, outer = _timeit(runner_step, repeats, sync), _timeit(ends, repeats, sync)
+            t_points[b] = max(total - outer, 0.05 * total) / n
             h_points[b] = _timeit(head_step, repeats, sync)
     shape = {"hidden_size": args.hidden_size, "num_layers": args.num_layers, "num_heads": args.num_heads,
              "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim,

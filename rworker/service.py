@@ -18,7 +18,7 @@ import numpy as np
 
 from rworker.proto import rworker_pb2 as pb
 from rworker.proto import rworker_pb2_grpc as pb_grpc
-from rworker.wire import WIRE_DTYPES
+from rworker.wire import WIRE_DTYPES, bf16_to_f32, f32_to_bf16
 
 log = logging.getLogger("rworker")
 
@@ -51,7 +51,8 @@ def tensor_to_numpy(t: pb.Tensor, name: str) -> np.ndarray:
     if len(data) != expected:
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
                         f"{name}: {len(data)} bytes for shape {shape} {t.dtype} (expected {expected})")
-    return np.frombuffer(data, dtype=dtype).reshape(shape)
+    a = np.frombuffer(data, dtype=dtype).reshape(shape)
+    return bf16_to_f32(a) if t.dtype == "bfloat16" else a
 
 
 def default_store_factory(**kwargs):
@@ -261,8 +262,12 @@ class RWorkerService(pb_grpc.RWorkerServicer):
             except KeyError:
                 raise self._not_found(conn, m.seq_ids) from None
             reply.kernel_s = self._account(t0)
-        o = o if q.dtype == np.float32 else o.astype(q.dtype)
-        reply.o.data, reply.o.dtype = o.tobytes(), o.dtype.name
+        # o goes back in q's wire dtype: the S-Part would round it to that dtype anyway.
+        if m.q.dtype == "float16":
+            o = o.astype(np.float16)
+        elif m.q.dtype == "bfloat16":
+            o = f32_to_bf16(o)
+        reply.o.data, reply.o.dtype = o.tobytes(), m.q.dtype
         reply.o.shape[:] = o.shape
 
     @staticmethod

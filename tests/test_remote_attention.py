@@ -82,18 +82,39 @@ def test_matches_reference(fleet, workers, shards, spec):
         backend.shutdown()
 
 
-def test_fp16_and_bf16_inputs(fleet):
-    spec = KVSpec(2, 4, 2, 16)
-    for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 1e-5)):
-        gen = torch.Generator().manual_seed(7)
-        backend = remote(spec, fleet.addresses[:2])
-        try:
-            # the reference gets q in the same precision (bf16/fp16 values), k, v already fp16
-            worst = run_both(spec, backend, TorchAttention(spec), [1, 2, 3], [4, 1, 6], steps=2, gen=gen,
-                             dtype=dtype)
-            assert worst < tol, (dtype, worst)
-        finally:
-            backend.shutdown()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shards", [1, 2])
+def test_bit_identical_to_local_backend(fleet, dtype, shards):
+    """In the engine's dtype, o from the R-workers equals the in-process kernel's o exactly."""
+    pytest.importorskip("fastdecode._kernels", reason="the C++ kernel is not built")
+    from fastdecode.attention.local import LocalAttention
+
+    spec = KVSpec(2, 6, 2, 32)
+    config = EngineConfig(attention="remote", rworkers=tuple(fleet.addresses[:2]), head_shards=shards,
+                          kv_capacity_bytes=16 << 20, kernel_threads=1)
+    backend, local = RemoteAttention(spec, config), LocalAttention(spec, config)
+    gen = torch.Generator().manual_seed(11)
+    try:
+        ids, lens = [4, 8, 15, 16, 23], [3, 1, 9, 2, 5]
+        backend.open(ids)
+        local.open(ids)
+        for layer in range(spec.num_layers):
+            k = torch.randn(sum(lens), 2, 32, generator=gen).to(dtype)
+            v = torch.randn(sum(lens), 2, 32, generator=gen).to(dtype)
+            backend.prefill(layer, ids, lens, k, v)
+            local.prefill(layer, ids, lens, k, v)
+        for _ in range(3):
+            for layer in range(spec.num_layers):
+                q = torch.randn(5, 6, 32, generator=gen).to(dtype)
+                k = torch.randn(5, 2, 32, generator=gen).to(dtype)
+                v = torch.randn(5, 2, 32, generator=gen).to(dtype)
+                got = backend.submit_decode(layer, ids, q, k, v).result(timeout=30)
+                want = local.decode(layer, ids, q, k, v)
+                assert got.dtype == torch.float32
+                assert torch.equal(got.to(dtype), want.to(dtype))
+    finally:
+        backend.shutdown()
+        local.shutdown()
 
 
 def test_errors_and_close_frees(fleet):
@@ -112,8 +133,10 @@ def test_errors_and_close_frees(fleet):
             backend.submit_decode(2, [1], q, kv, kv)
         with pytest.raises(ValueError):
             backend.prefill(0, [1], [3], torch.zeros(2, 2, 16), torch.zeros(2, 2, 16))
-        with pytest.raises(ValueError, match="NaN"):
-            backend.submit_decode(0, [1], q, torch.full((1, 2, 16), float("nan")), kv)
+        with pytest.raises(ValueError):       # checked by the worker: the future raises
+            backend.submit_decode(0, [1], q, torch.full((1, 2, 16), float("nan")), kv).result(timeout=30)
+        with pytest.raises(ValueError):
+            backend.prefill(0, [1], [1], torch.full((1, 2, 16), float("inf")), kv)
         backend.decode(0, [1], q, kv, kv)       # still fine afterwards
         backend.close([1, 2, 77])               # unknown ids ignored
         assert backend.stats()["sequences"] == 0

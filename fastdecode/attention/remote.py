@@ -15,8 +15,9 @@ heads). With head_shards=1 a group is one worker holding whole sequences.
   reconnects them; a returning worker takes new sequences again.
 
 Wire dtypes: k, v travel as fp16 (the store keeps fp16, so this loses nothing);
-q and o travel in q's dtype when it is fp16, else fp32, so results match the
-local backend bit for bit.
+q and o travel in q's dtype (fp32, fp16 or bf16 bits; o is rounded on the worker to
+that dtype, which the S-Part casts it to anyway), so results match the local backend
+bit for bit in the engine's dtype.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from fastdecode.attention.base import AttentionBackend, AttentionError, KVCapaci
 from rworker.auth import bearer, channel_credentials
 from rworker.proto import rworker_pb2 as pb
 from rworker.proto import rworker_pb2_grpc as pb_grpc
-from rworker.wire import HTTP2_OPTIONS, to_tensor
+from rworker.wire import HTTP2_OPTIONS, WIRE_DTYPES, bf16_to_f32, to_tensor
 
 log = logging.getLogger("fastdecode.remote")
 
@@ -245,7 +246,8 @@ class _Gather:
             if reply.code:
                 raise _reply_error(worker.address, reply)
             o = reply.o
-            self.out_np[rows, heads] = np.frombuffer(o.data, dtype=o.dtype).reshape(tuple(o.shape))
+            a = np.frombuffer(o.data, dtype=WIRE_DTYPES[o.dtype]).reshape(tuple(o.shape))
+            self.out_np[rows, heads] = bf16_to_f32(a) if o.dtype == "bfloat16" else a
             worker.kernel_s += reply.kernel_s
             worker.calls += 1
             with self.lock:
@@ -310,6 +312,7 @@ class RemoteAttention(AttentionBackend):
         self.seq_tokens: dict[int, int] = {}
         self._plans: dict[tuple, list] = {}
         self.decode_calls, self.decode_wall_s, self.decode_kernel_s, self.decode_handler_s = 0, 0.0, 0.0, 0.0
+        self.decode_submit_s = 0.0           # inside submit_decode: conversion, row gathering, message building
         self.lost_total = 0
         self._stop = threading.Event()
 
@@ -543,9 +546,13 @@ class RemoteAttention(AttentionBackend):
             raise ValueError(f"decode: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match "
                              f"{b} sequences of {spec}")
         parts, lost_rows = self._plan(seq_ids)
-        qn, kn, vn = _numpy(q), self._kv_wire(k), self._kv_wire(v)
-        if not (np.isfinite(qn).all() and np.isfinite(kn).all() and np.isfinite(vn).all()):
-            raise ValueError("decode: q, k or v contain NaN or Inf")
+        if q.dtype == torch.bfloat16:           # its bits, widened on the worker
+            qn, q_wire = np.ascontiguousarray(q.detach().contiguous().view(torch.int16).numpy().view(np.uint16)), \
+                "bfloat16"
+        else:
+            qn = _numpy(q)
+            q_wire = qn.dtype.name
+        kn, vn = self._kv_wire(k), self._kv_wire(v)
         out = torch.empty(b, spec.num_heads, spec.head_dim, dtype=torch.float32)
         row_bytes = (qn[0].nbytes + kn[0].nbytes + vn[0].nbytes) if b else 1
         chunk = max(1, MAX_MESSAGE_BYTES // max(1, row_bytes // len(self.kv_heads)))
@@ -575,10 +582,11 @@ class RemoteAttention(AttentionBackend):
                 qa, ka, va = qn, kn, vn
             else:
                 qa, ka, va = qn[r, hq], kn[r, hk], vn[r, hk]
-            req = pb.Request(decode=pb.Decode(layer=layer, seq_ids=r_ids, q=to_tensor(qa), k=to_tensor(ka),
+            req = pb.Request(decode=pb.Decode(layer=layer, seq_ids=r_ids, q=to_tensor(qa, q_wire), k=to_tensor(ka),
                                               v=to_tensor(va)))
             fut = w.send(req)
             fut.add_done_callback(lambda f, w=w, r=r, hq=hq: gather.part_done(f, w, r, hq))
+        self.decode_submit_s += time.perf_counter() - t0
         return gather.future
 
     def prefill(self, layer, seq_ids, lens, k, v) -> None:
@@ -595,8 +603,6 @@ class RemoteAttention(AttentionBackend):
             ids = [seq_ids[i] for i in lost_rows]
             raise SequencesLost(ids, self.lost_reason.get(ids[0], "lost"))
         kn, vn = self._kv_wire(k), self._kv_wire(v)
-        if not (np.isfinite(kn).all() and np.isfinite(vn).all()):
-            raise ValueError("prefill: k or v contain NaN or Inf")
         starts = np.concatenate([[0], np.cumsum(lens)])
         token_bytes = max(1, kn[0].nbytes * 2 // len(self.kv_heads)) if len(kn) else 1
         budget = max(1, MAX_MESSAGE_BYTES // token_bytes)      # tokens per message
@@ -674,7 +680,7 @@ class RemoteAttention(AttentionBackend):
                     "capacity_bytes": sum(w.capacity_bytes for w in self.workers if w.up),
                     "lost_sequences": self.lost_total, "decode_calls": self.decode_calls,
                     "decode_wall_s": self.decode_wall_s, "decode_kernel_s": self.decode_kernel_s,
-                    "decode_handler_s": self.decode_handler_s,
+                    "decode_handler_s": self.decode_handler_s, "decode_submit_s": self.decode_submit_s,
                     "workers": workers}
 
     def shutdown(self) -> None:

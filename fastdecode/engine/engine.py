@@ -36,7 +36,8 @@ MAX_REBUILD_ATTEMPTS = 3     # re-prefills of a sequence whose KV keeps getting 
 def share_cores(config: EngineConfig, device: str) -> EngineConfig:
     """With the S-Part and the local R-Part kernel on the same CPU, give each half
     the cores: they overlap (two mini-batches), and oversubscribed thread pools
-    spin against each other. kernel_threads set explicitly is left alone."""
+    spin against each other. kernel_threads set explicitly is left alone.
+    Sets torch's (process-wide) thread count; Engine.stop() restores it."""
     if device != "cpu" or config.attention != "local" or config.kernel_threads:
         return config
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -48,6 +49,7 @@ def share_cores(config: EngineConfig, device: str) -> EngineConfig:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.device = config.torch_device
+        self._torch_threads = torch.get_num_threads()
         config = share_cores(config, self.device)
         self.config = config
         loaded = load_model(config.model, config.dtype, self.device, config.max_model_len)
@@ -60,7 +62,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.backend, self.device, config.num_minibatches)
 
         self.healthy = True
-        self.trace: deque[dict] = deque(maxlen=TRACE_KEEP)
+        self._trace: deque[dict] = deque(maxlen=TRACE_KEEP)
         self._trace_file = open(config.trace_path, "a") if config.trace_path else None
         self._lock = threading.Lock()            # waiting, requests, aborts (short holds)
         self._step_lock = threading.RLock()      # one step at a time
@@ -323,7 +325,7 @@ class Engine:
                "s_wait": t.s_wait, "r_wait": max(0.0, step_time - r_time) if t.r_intervals else None,
                "step_time": step_time}
         self._step += 1
-        self.trace.append(rec)
+        self._trace.append(rec)
         if self._trace_file is not None:
             self._trace_file.write(json.dumps(rec) + "\n")
             self._trace_file.flush()
@@ -360,6 +362,7 @@ class Engine:
             for s in seqs:
                 self._finish(s, "cancelled")
             self.backend.shutdown()
+            torch.set_num_threads(self._torch_threads)
             if self._trace_file is not None:
                 self._trace_file.close()
                 self._trace_file = None
@@ -381,6 +384,11 @@ class Engine:
         finally:
             if not finished:
                 self.abort(rid)
+
+    @property
+    def trace(self) -> list[dict]:
+        """The most recent per-step records (at most TRACE_KEEP), oldest first."""
+        return list(self._trace)
 
     def stats(self) -> dict:
         with self._lock:

