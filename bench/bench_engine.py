@@ -12,6 +12,8 @@ end-to-end numbers are in the JSON too).
 transformers at large batch is slow; above --hf-full-max-batch its decode time is
 estimated from per-step times measured at the start, middle and end context
 lengths of the run (Simpson's rule over the 256 steps), and the JSON says so.
+Each of those measurements is generate() resuming from a DynamicCache already
+holding that many (zero) tokens, so no long prefill is paid to reach a context.
 """
 from __future__ import annotations
 
@@ -68,11 +70,34 @@ class HF:
         return elapsed
 
     def step_time(self, dtype: str, batch: int, context: int, steps: int) -> float:
-        """Seconds per decode step at this context length: (t(1 + steps) - t(1)) / steps."""
-        ids = torch.tensor(synthetic_prompts(self.tokenizer, batch, context))
-        prefill = self.generate_time(dtype, ids, 1)
-        gc.collect()
-        return max(1e-9, self.generate_time(dtype, ids, 1 + steps) - prefill) / steps
+        """Seconds per decode step at this context length: generate() resuming from a
+        cache of `context` tokens, (t(1 + steps) - t(1)) / steps."""
+        from transformers import DynamicCache
+
+        model = self.model(dtype)
+        c = model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        ids = torch.tensor(synthetic_prompts(self.tokenizer, batch, context + 1))
+        assert ids.shape == (batch, context + 1)
+
+        def timed(new_tokens: int) -> float:
+            cache = DynamicCache(config=c)
+            for layer in range(c.num_hidden_layers):
+                z = torch.zeros(batch, c.num_key_value_heads, context, head_dim, dtype=DTYPES[dtype])
+                cache.update(z, z.clone(), layer)
+            with torch.inference_mode():
+                t = time.perf_counter()
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                                     max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                     pad_token_id=self.tokenizer.eos_token_id)
+                elapsed = time.perf_counter() - t
+            assert out.shape == (batch, context + 1 + new_tokens)
+            del cache
+            gc.collect()
+            return elapsed
+
+        timed(1)                                  # warm up at this shape
+        return max(1e-9, timed(1 + steps) - timed(1)) / steps
 
     def run(self, dtype: str, batch: int, new_tokens: int, prompt_len: int, full: bool, probe_steps: int) -> dict:
         if full:
@@ -132,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="above this batch, transformers' decode time is estimated from probes")
     p.add_argument("--hf-probe-steps", type=int, default=8)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "engine.json"))
+    p.add_argument("--merge", action="store_true",
+                   help="add these batches to the existing --out file, reusing its dtype/thread choice")
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batches.split(",")]
     if not (Path(a.model) / "config.json").is_file():
@@ -139,12 +166,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     hf = HF(a.model)
-    choice = probe(a.model, hf, a.prompt_len)
+    out = Path(a.out)
+    if a.merge and out.is_file():
+        result = json.loads(out.read_text())
+        choice = result["probe"]
+    else:
+        choice = probe(a.model, hf, a.prompt_len)
+        result = {"model": Path(a.model).name, "new_tokens": a.new_tokens, "prompt_len": a.prompt_len,
+                  "cpu_count": os.cpu_count(), "probe": choice, "runs": {}}
     o, h = choice["chosen"]["ours"], choice["chosen"]["hf"]
     print(f"chosen: ours {o}, transformers {h}", flush=True)
-    result = {"model": Path(a.model).name, "new_tokens": a.new_tokens, "prompt_len": a.prompt_len,
-              "cpu_count": os.cpu_count(), "probe": choice, "runs": {}}
-    out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for b in batches:
         mine = ours(a.model, o["dtype"], o["threads"], b, a.new_tokens, a.prompt_len)
