@@ -85,4 +85,4 @@ bench-sls: setup
 	$(PY) bench/bench_sls.py
 
 clean:
-	rm -rf build fastdecode/_kernels*.so $(VENV)/.built rworker/proto/*_pb2*.py
+	rm -rf build fastdecode/_kernels*.so $(VENV)/.built rworker/proto/*_pb2*.py rworker/proto/*_pb2*.pyi

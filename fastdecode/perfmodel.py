@@ -245,7 +245,10 @@ def settings_from_plan(p: dict) -> dict:
 
 # --- micro-benchmarks (torch) ---------------------------------------------------------------------
 
-def _timeit(fn, repeats: int, sync=lambda: None) -> float:
+def _timeit(fn, repeats: int, sync=lambda: None) -> tuple[float, float]:
+    """(median, min) seconds of `repeats` calls after one warm-up call. The median is the
+    model's figure; the min is the noise floor, for comparing with the fastest engine
+    steps on a machine shared with other work."""
     fn()
     sync()
     times = []
@@ -254,7 +257,7 @@ def _timeit(fn, repeats: int, sync=lambda: None) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(times), min(times)
 
 
 def measure_s_part(model_dir: str, batches: Sequence[int] = DEFAULT_BATCHES, device: str = "cpu",
@@ -265,7 +268,7 @@ def measure_s_part(model_dir: str, batches: Sequence[int] = DEFAULT_BATCHES, dev
     with the layer's GEMMs and norms), less embedding + LM head, per layer. H: embedding +
     LM head + the engine's sampler + one incremental detokenizer push per sequence (the
     S-worker's per-step host work). Weights are random: only the shapes matter for time.
-    Returns (T points, H points, model shape)."""
+    Returns (T points, H points, model shape); points map B -> (median, min) seconds."""
     from concurrent.futures import Future
 
     import torch
@@ -324,7 +327,7 @@ def measure_s_part(model_dir: str, batches: Sequence[int] = DEFAULT_BATCHES, dev
                     d.push(t)
 
             total, outer = _timeit(runner_step, repeats, sync), _timeit(ends, repeats, sync)
-            t_points[b] = max(total - outer, 0.05 * total) / n
+            t_points[b] = tuple(max(a - o, 0.05 * a) / n for a, o in zip(total, outer))
             h_points[b] = _timeit(head_step, repeats, sync)
     shape = {"hidden_size": args.hidden_size, "num_layers": args.num_layers, "num_heads": args.num_heads,
              "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim,
@@ -334,9 +337,9 @@ def measure_s_part(model_dir: str, batches: Sequence[int] = DEFAULT_BATCHES, dev
 
 def measure_r_part(num_kv_heads: int, num_heads: int, head_dim: int, contexts: Sequence[int] = DEFAULT_CONTEXTS,
                    num_seqs: int = 32, threads: int = 0, kv_format: str = "fp16", repeats: int = 5) -> tuple[dict, str]:
-    """Seconds of one layer's decode (append + attend) over `num_seqs` sequences holding
-    `context` tokens in total, on one in-process KVStore (an R-worker's kernel).
-    Falls back to the plain-torch reference when the kernel is not built."""
+    """Seconds (median, min) of one layer's decode (append + attend) over `num_seqs`
+    sequences holding `context` tokens in total, on one in-process KVStore (an R-worker's
+    kernel). Falls back to the plain-torch reference when the kernel is not built."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -384,7 +387,7 @@ def _measure_r_torch(num_kv_heads, num_heads, head_dim, contexts, num_seqs, repe
 
 def measure_r_backend(backend, contexts: Sequence[int] = DEFAULT_CONTEXTS, num_seqs: int = 32,
                       repeats: int = 5) -> dict:
-    """R-Part seconds of one layer's submit_decode(...).result() through an AttentionBackend
+    """R-Part seconds (median, min) of one layer's submit_decode(...).result() through an AttentionBackend
     (e.g. the remote one: transport included) over `num_seqs` sequences holding `context`
     tokens in total. Opens and closes its own sequences (ids from 2**39 up)."""
     import torch
@@ -410,20 +413,36 @@ def measure_r_backend(backend, contexts: Sequence[int] = DEFAULT_CONTEXTS, num_s
 def build_perf_model(model_dir: str, device: str = "cpu", dtype: str = "float32",
                      batches: Sequence[int] = DEFAULT_BATCHES, contexts: Sequence[int] = DEFAULT_CONTEXTS,
                      threads: int = 0, kv_format: str = "fp16", repeats: int = 5, backend=None) -> PerfModel:
-    """Measure and fit. R through `backend` (an AttentionBackend, all its R-workers as one)
-    when given, else on one in-process KVStore with `threads` threads."""
+    """Measure and fit (medians). R through `backend` (an AttentionBackend, all its
+    R-workers as one) when given, else on one in-process KVStore with `threads` threads.
+    meta["floor"] holds the same curves from the fastest repeat (see floor_model)."""
     t_pts, h_pts, shape = measure_s_part(model_dir, batches, device, dtype, repeats)
     if backend is not None:
         r_pts, r_backend = measure_r_backend(backend, contexts, repeats=repeats), type(backend).__name__
     else:
         r_pts, r_backend = measure_r_part(shape["num_kv_heads"], shape["num_heads"], shape["head_dim"], contexts,
                                           threads=threads, kv_format=kv_format, repeats=repeats)
-    r0, r = fit_line(list(r_pts), list(r_pts.values()))
-    if r <= 0:
-        raise RuntimeError(f"R-Part time did not grow with context ({r_pts}): measurement too noisy")
-    return PerfModel(shape["num_layers"], Curve.of(t_pts), Curve.of(h_pts), r, max(r0, 0.0), {
+    models = []
+    for which in (0, 1):              # median, min
+        r0, r = fit_line(list(r_pts), [v[which] for v in r_pts.values()])
+        if r <= 0:
+            raise RuntimeError(f"R-Part time did not grow with context ({r_pts}): measurement too noisy")
+        models.append((Curve.of({b: v[which] for b, v in t_pts.items()}),
+                       Curve.of({b: v[which] for b, v in h_pts.items()}), r, max(r0, 0.0)))
+    (t, h, r, r0), (tf, hf, rf, rf0) = models
+    return PerfModel(shape["num_layers"], t, h, r, r0, {
         "model": str(model_dir), "device": _device_name(device), "dtype": dtype, "shape": shape,
-        "r_backend": r_backend, "r_points": {str(k): v for k, v in r_pts.items()}, "measured_at": time.time()})
+        "r_backend": r_backend, "r_points": {str(k): v[0] for k, v in r_pts.items()}, "repeats": repeats,
+        "measured_at": time.time(),
+        "floor": {"s_layer": tf.to_dict(), "s_head": hf.to_dict(), "r_per_token_s": rf, "r_fixed_s": rf0}})
+
+
+def floor_model(pm: PerfModel) -> PerfModel:
+    """The perf model from the fastest repeat of each micro-benchmark (meta["floor"])."""
+    f = pm.meta.get("floor")
+    if not f:
+        raise ValueError("this perf model has no floor curves")
+    return PerfModel.from_dict({"num_layers": pm.num_layers, **f, "meta": {**pm.meta, "floor": None}})
 
 
 def _device_name(device: str) -> str:

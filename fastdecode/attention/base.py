@@ -18,9 +18,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
+if TYPE_CHECKING:  # torch-free at run time: the R-worker imports these errors without torch
+    import torch
 
 
 @dataclass(frozen=True)

@@ -75,15 +75,19 @@ def _to_fp16(x: torch.Tensor) -> np.ndarray:
     return out.numpy()
 
 
-def _numpy(x: torch.Tensor) -> np.ndarray:
-    """A contiguous float32/float16 numpy view of a CPU tensor (bfloat16 widened to float32)."""
+def _check(x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"expected a torch.Tensor, got {type(x).__name__}")
     if x.device.type != "cpu":
         raise ValueError(f"tensors must be on the CPU, got {x.device}")
-    if x.dtype not in (torch.float32, torch.float16):
-        if x.dtype != torch.bfloat16:
-            raise ValueError(f"expected float32, bfloat16 or float16, got {x.dtype}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"expected float32, bfloat16 or float16, got {x.dtype}")
+
+
+def _numpy(x: torch.Tensor) -> np.ndarray:
+    """A contiguous float32/float16 numpy view of a CPU tensor (bfloat16 widened to float32)."""
+    _check(x)
+    if x.dtype == torch.bfloat16:
         x = x.float()
     return np.ascontiguousarray(x.detach().numpy())
 
@@ -545,8 +549,8 @@ class RemoteAttention(AttentionBackend):
     def _kv_wire(self, x: torch.Tensor) -> np.ndarray:
         """k, v as sent: fp16 for an fp16 store (what it keeps anyway), else fp32/fp16 as given."""
         if self.kv_format == "fp16" and x.dtype != torch.float16:
-            _numpy(x)                           # the checks
-            return _to_fp16(x)
+            _check(x)
+            return _to_fp16(x.detach())
         return _numpy(x)
 
     def submit_decode(self, layer, seq_ids, q, k, v) -> Future:
