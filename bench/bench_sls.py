@@ -1,7 +1,7 @@
 """SLS versus FCFS on the real engine (PAPER.md Figure 11), and the perf model checked
 against measured step times.
 
-    make bench-sls          # or: python bench/bench_sls.py [--quick] [--configs default rheavy 7b]
+    make bench-sls          # or: python bench/bench_sls.py [--quick] [--configs default rheavy 7b] [--repeats N]
 
 For each configuration: the same workload (2*B + 1 requests of `prompt` tokens generating
 exactly `gen` tokens, ignore_eos, all queued at once) runs under fcfs and under sls, on two
@@ -239,6 +239,24 @@ def compare(name: str, backends: dict[str, dict], base: EngineConfig, n: int, pr
     return out
 
 
+RATIOS = ("steady_max_step_latency_ratio", "steady_max_step_latency_ratio_unpaired", "throughput_ratio",
+          "steady_max_step_latency_ratio_rolling_median")
+
+
+def compare_repeated(name: str, repeats: int, *args) -> dict:
+    """compare() `repeats` times: the first run's traces, the medians of the ratios."""
+    runs = [compare(name if repeats == 1 else f"{name} #{i + 1}", *args) for i in range(repeats)]
+    out = runs[0]
+    if repeats > 1:
+        out["repeats"] = [{k: r.get(k) for k in RATIOS} for r in runs]
+        for k in RATIOS:
+            vals = [r[k] for r in runs if r.get(k) is not None]
+            out[k] = statistics.median(vals) if vals else None
+        print(f"[{name}] median of {repeats}: steady max step {out['steady_max_step_latency_ratio']:.3f}, "
+              f"throughput {out['throughput_ratio']:.3f}", flush=True)
+    return out
+
+
 def perf_model_for(model: str, base: EngineConfig, batches, contexts, repeats: int) -> PerfModel:
     """T(B), H(B) from the model's layer code; R through the same backend the engine uses
     (for the remote one: gRPC transport to both R-workers included)."""
@@ -340,6 +358,7 @@ def main() -> int:
     p.add_argument("--backend", choices=("remote", "local"), default="remote")
     p.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run, not a result)")
     p.add_argument("--out", default=str(RESULTS / "sls.json"))
+    p.add_argument("--repeats", type=int, default=1, help="fcfs-vs-sls runs per configuration (ratios: medians)")
     p.add_argument("--budget-s", type=float, default=400.0, help="skip the 7b part when this much time is spent")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -358,7 +377,7 @@ def main() -> int:
             backends, desc = start_backends(stack, args.backend, workers, kvb)
             base = EngineConfig(model=model, max_running=B, max_prefill_tokens=B * prompt, **backends["fcfs"])
             res = results["default"] = {"model": "smollm2-135m-instruct", "backend": desc}
-            res.update(compare("default", backends, base, 2 * B + 1, prompt, gen, f))
+            res.update(compare_repeated("default", args.repeats, backends, base, 2 * B + 1, prompt, gen, f))
             pm = perf_model_for(model, base, (8, 32, 128, 512), (4096, 16384, 65536), 3 if q else 5)
             pm.save(RESULTS / "perfmodel_default.json")
             res["perf_model"] = "bench/results/perfmodel_default.json"
@@ -374,7 +393,7 @@ def main() -> int:
             base = EngineConfig(model=model, max_running=B, max_prefill_tokens=B * prompt, **backends["fcfs"])
             res = results["rheavy"] = {"model": "random Llama: hidden 256, 2 layers, 4 heads x 64, MLP 512",
                                        "backend": desc}
-            res.update(compare("rheavy", backends, base, 2 * B + 1, prompt, gen, f))
+            res.update(compare_repeated("rheavy", args.repeats, backends, base, 2 * B + 1, prompt, gen, f))
             pm = perf_model_for(model, base, (8, 32, 128, 512), (4096, 16384, 65536), 5)
             pm.save(RESULTS / "perfmodel_rheavy.json")
             res["perf_model"] = "bench/results/perfmodel_rheavy.json"

@@ -13,12 +13,32 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rworker.auth import TokenInterceptor, server_credentials
-from rworker.proto import rworker_pb2_grpc as pb_grpc
+from rworker.proto import rworker_pb2 as pb
 from rworker.service import RWorkerService, default_store_factory
-from rworker.wire import HTTP2_OPTIONS
+from rworker.wire import HTTP2_OPTIONS, keep_freed_memory
 
 log = logging.getLogger("rworker")
 SERVICE_NAME = "fastdecode.rworker.RWorker"
+
+
+def _reply_bytes(reply) -> bytes:
+    """Session replies: decode replies come already serialised (rworker.wire.encode_reply_o)."""
+    return reply if isinstance(reply, bytes) else reply.SerializeToString()
+
+
+def _add_service(service: RWorkerService, server: grpc.Server) -> None:
+    """What the generated add_RWorkerServicer_to_server does, but with _reply_bytes for Session."""
+    handlers = {
+        "Session": grpc.stream_stream_rpc_method_handler(
+            service.Session, request_deserializer=pb.Request.FromString, response_serializer=_reply_bytes),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            service.Stats, request_deserializer=pb.StatsRequest.FromString,
+            response_serializer=pb.StatsReply.SerializeToString),
+        "Drain": grpc.unary_unary_rpc_method_handler(
+            service.Drain, request_deserializer=pb.DrainRequest.FromString,
+            response_serializer=pb.DrainReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
 @dataclass
@@ -40,6 +60,7 @@ class ServerOptions:
 class RWorkerServer:
     def __init__(self, opts: ServerOptions, store_factory=default_store_factory) -> None:
         self.opts = opts
+        keep_freed_memory()
         self.service = RWorkerService(opts.kv_capacity, opts.threads, opts.block_size, store_factory,
                                       opts.max_sequences)
         self.health = health.HealthServicer(experimental_non_blocking=True)
@@ -53,7 +74,7 @@ class RWorkerServer:
                      *HTTP2_OPTIONS,
                      ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=opts.max_connections + 8)
-        pb_grpc.add_RWorkerServicer_to_server(self.service, self.server)
+        _add_service(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if opts.tls_cert or opts.tls_key:
             if not (opts.tls_cert and opts.tls_key):

@@ -18,7 +18,7 @@ import numpy as np
 
 from rworker.proto import rworker_pb2 as pb
 from rworker.proto import rworker_pb2_grpc as pb_grpc
-from rworker.wire import WIRE_DTYPES, bf16_to_f32, f32_to_bf16
+from rworker.wire import WIRE_DTYPES, bf16_to_f32, encode_reply_o, f32_to_bf16
 
 log = logging.getLogger("rworker")
 
@@ -106,13 +106,17 @@ class RWorkerService(pb_grpc.RWorkerServicer):
         finally:
             self._release(conn)
 
-    def _call(self, conn: Connection, req: pb.Request) -> pb.Reply:
+    def _call(self, conn: Connection, req: pb.Request) -> pb.Reply | bytes:
+        """The reply: a Reply, or for a decode its serialised form (o appended without copies;
+        the Session's response serializer passes bytes through, see server.py)."""
+        recv_ns = time.perf_counter_ns()
         t0 = time.perf_counter()
-        reply = pb.Reply(call_id=req.call_id)
+        reply = pb.Reply(call_id=req.call_id, recv_ns=recv_ns)
         op = req.WhichOneof("op")
+        o = None
         try:
             if op == "decode":
-                self._decode(conn, req.decode, reply)
+                o = self._decode(conn, req.decode, reply)
             elif op == "prefill":
                 self._prefill(conn, req.prefill, reply)
             elif op == "open":
@@ -138,6 +142,9 @@ class RWorkerService(pb_grpc.RWorkerServicer):
         if reply.code:
             log.debug("call %d (%s) -> %d %s", req.call_id, op, reply.code, reply.message)
         reply.handler_s = time.perf_counter() - t0
+        reply.reply_ns = time.perf_counter_ns()
+        if o is not None and not reply.code:
+            return encode_reply_o(reply, o, req.decode.q.dtype)
         return reply
 
     def _release(self, conn: Connection) -> None:
@@ -245,7 +252,8 @@ class RWorkerService(pb_grpc.RWorkerServicer):
                 raise self._not_found(conn, m.seq_ids) from None
             reply.kernel_s = self._account(t0)
 
-    def _decode(self, conn: Connection, m: pb.Decode, reply: pb.Reply) -> None:
+    def _decode(self, conn: Connection, m: pb.Decode, reply: pb.Reply) -> np.ndarray:
+        """Append k, v and attend; returns o in q's wire dtype (sent by _call)."""
         ids = self._ids(conn, m.seq_ids)
         self._check_layer(conn, m.layer)
         q, k, v = tensor_to_numpy(m.q, "q"), tensor_to_numpy(m.k, "k"), tensor_to_numpy(m.v, "v")
@@ -264,11 +272,10 @@ class RWorkerService(pb_grpc.RWorkerServicer):
             reply.kernel_s = self._account(t0)
         # o goes back in q's wire dtype: the S-Part would round it to that dtype anyway.
         if m.q.dtype == "float16":
-            o = o.astype(np.float16)
-        elif m.q.dtype == "bfloat16":
-            o = f32_to_bf16(o)
-        reply.o.data, reply.o.dtype = o.tobytes(), m.q.dtype
-        reply.o.shape[:] = o.shape
+            return o.astype(np.float16)
+        if m.q.dtype == "bfloat16":
+            return f32_to_bf16(o)
+        return o
 
     @staticmethod
     def _not_found(conn: Connection, seq_ids) -> CallError:

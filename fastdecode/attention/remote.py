@@ -21,6 +21,7 @@ bit for bit in the engine's dtype.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -39,13 +40,15 @@ from fastdecode.attention.base import AttentionBackend, AttentionError, KVCapaci
 from rworker.auth import bearer, channel_credentials
 from rworker.proto import rworker_pb2 as pb
 from rworker.proto import rworker_pb2_grpc as pb_grpc
-from rworker.wire import HTTP2_OPTIONS, WIRE_DTYPES, bf16_to_f32, to_tensor
+from rworker.wire import (HTTP2_OPTIONS, WIRE_DTYPES, bf16_to_f32, encode_decode_request, keep_freed_memory,
+                          to_tensor)
 
 log = logging.getLogger("fastdecode.remote")
 
 MAX_MESSAGE_BYTES = 16 << 20        # the client splits bigger calls; the server accepts 64 MiB
 PROBE_INTERVAL_S = 0.5              # how often down workers are probed for a reconnect
 _END = object()                     # ends a stream's request iterator
+SESSION_METHOD = "/fastdecode.rworker.RWorker/Session"
 
 
 class WorkerLost(AttentionError):
@@ -135,7 +138,11 @@ class _Worker:
         stub = pb_grpc.RWorkerStub(self.channel)
         stats = stub.Stats(pb.StatsRequest(), timeout=self.timeout, metadata=self.metadata)
         requests: queue.SimpleQueue = queue.SimpleQueue()
-        call = stub.Session(iter(requests.get, _END), metadata=self.metadata)
+        # Requests go on the queue already serialised (see send): gRPC's sender thread then
+        # only hands bytes to the C core instead of taking the GIL to serialise a message.
+        session = self.channel.stream_stream(SESSION_METHOD, request_serializer=None,
+                                             response_deserializer=pb.Reply.FromString)
+        call = session(iter(requests.get, _END), metadata=self.metadata)
         with self.lock:
             self.generation += 1
             generation = self.generation
@@ -154,14 +161,21 @@ class _Worker:
         log.info("R-worker %s connected", self.address)
 
     def send(self, request: pb.Request) -> Future:
+        request.call_id = self.next_id()
+        return self.send_bytes(request.call_id, request.SerializeToString())
+
+    def next_id(self) -> int:
+        return next(self.ids)                # atomic under the GIL; ids need not be in stream order
+
+    def send_bytes(self, call_id: int, data: bytes) -> Future:
+        """Send a serialised Request whose call_id is call_id; its Future gets the Reply."""
         fut: Future = Future()
         with self.lock:
             if not self.up:
                 fut.set_exception(WorkerLost(f"R-worker {self.address} is down: {self.reason}"))
                 return fut
-            request.call_id = next(self.ids)
-            self.pending[request.call_id] = (fut, time.monotonic())
-            self.requests.put(request)
+            self.pending[call_id] = (fut, time.monotonic())
+            self.requests.put(data)              # under the lock: stream order = call order
         return fut
 
     def _read(self, call, generation: int) -> None:
@@ -249,6 +263,9 @@ class _Gather:
         self.kernel_s = 0.0                  # of the slowest part
         self.handler_s = 0.0                 # that part's time in the worker's handler
         self.t0 = t0                         # submit time: conversion and serialisation count as comm
+        self.t0_ns = time.perf_counter_ns()
+        self.encoded_ns = 0                  # every message built, none sent yet
+        self.parts: list[tuple] = []         # per reply: worker's recv_ns, reply_ns, kernel_s; read_ns, decoded_ns
 
     def lose(self, rows: np.ndarray, reason: str) -> None:
         with self.lock:
@@ -256,6 +273,7 @@ class _Gather:
             self.reason = self.reason or reason
 
     def part_done(self, fut: Future, worker: _Worker, rows: np.ndarray, heads: slice) -> None:
+        read_ns = time.perf_counter_ns()
         try:
             reply = fut.result()
             if reply.code:
@@ -268,6 +286,7 @@ class _Gather:
             with self.lock:
                 if reply.kernel_s >= self.kernel_s:
                     self.kernel_s, self.handler_s = reply.kernel_s, reply.handler_s
+                self.parts.append((reply.recv_ns, reply.reply_ns, reply.kernel_s, read_ns, time.perf_counter_ns()))
         except WorkerLost as e:
             self.lose(rows, str(e))
         except Exception as e:  # noqa: BLE001 -- handed to the caller through the future
@@ -281,6 +300,9 @@ class _Gather:
 
     def finish(self) -> None:
         self.backend._account(time.perf_counter() - self.t0, self.kernel_s, self.handler_s)
+        if self.parts and self.error is None and not self.lost_rows:
+            self.backend.call_trace.append({"submit_ns": self.t0_ns, "encoded_ns": self.encoded_ns,
+                                            "done_ns": time.perf_counter_ns(), "parts": self.parts})
         if self.error is not None:
             self.future.set_exception(self.error)
         elif self.lost_rows:
@@ -294,6 +316,7 @@ class _Gather:
 class RemoteAttention(AttentionBackend):
     def __init__(self, spec: KVSpec, config) -> None:
         super().__init__(spec)
+        keep_freed_memory()                  # message buffers reused, not page-faulted in per call
         addresses = list(config.rworkers)
         shards = config.head_shards
         if not addresses:
@@ -329,6 +352,9 @@ class RemoteAttention(AttentionBackend):
         self.decode_calls, self.decode_wall_s, self.decode_kernel_s, self.decode_handler_s = 0, 0.0, 0.0, 0.0
         self.decode_submit_s = 0.0           # inside submit_decode: conversion, row gathering, message building
         self.lost_total = 0
+        # Per decode call, for benchmarks: perf_counter_ns stamps of submit, submit_decode's return,
+        # the future's resolution and per reply the worker's (same host: same clock) and ours.
+        self.call_trace: collections.deque = collections.deque(maxlen=4096)
         self._stop = threading.Event()
 
         threads = [threading.Thread(target=self._try_connect, args=(w,)) for w in self.workers]
@@ -597,14 +623,17 @@ class RemoteAttention(AttentionBackend):
         for w, r, r_ids, hq, hk, whole_chunk in sends:
             if whole_chunk and len(self.kv_heads) == 1:
                 qa, ka, va = qn, kn, vn
+            elif len(self.kv_heads) == 1:            # whole rows: np.take is a row memcpy
+                qa, ka, va = qn.take(r, axis=0), kn.take(r, axis=0), vn.take(r, axis=0)
             else:
                 qa, ka, va = qn[r, hq], kn[r, hk], vn[r, hk]
-            requests.append(pb.Request(decode=pb.Decode(layer=layer, seq_ids=r_ids, q=to_tensor(qa, q_wire),
-                                                        k=to_tensor(ka), v=to_tensor(va))))
+            call_id = w.next_id()
+            requests.append((call_id, encode_decode_request(call_id, layer, r_ids, qa, ka, va, q_wire)))
         # Build every message before sending any: a stream's sender thread woken early would
         # contend for the GIL with this one (costly when the OS deschedules the holder).
-        for (w, r, _, hq, _, _), req in zip(sends, requests):
-            fut = w.send(req)
+        gather.encoded_ns = time.perf_counter_ns()
+        for (w, r, _, hq, _, _), (call_id, data) in zip(sends, requests):
+            fut = w.send_bytes(call_id, data)
             fut.add_done_callback(lambda f, w=w, r=r, hq=hq: gather.part_done(f, w, r, hq))
         self.decode_submit_s += time.perf_counter() - t0
         return gather.future

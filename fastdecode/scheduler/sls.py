@@ -48,7 +48,6 @@ Derived settings (config value 0):
 from __future__ import annotations
 
 import bisect
-import math
 from collections import deque
 from typing import Iterable, Sequence
 
