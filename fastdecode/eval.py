@@ -24,7 +24,14 @@ from fastdecode.model.loader import load_model
 
 
 def perplexity(config: EngineConfig, text: str, prefix: int = 8, chunks: int = 8, loaded=None) -> dict:
-    config = share_cores(config, config.torch_device)
+    threads = torch.get_num_threads()
+    try:
+        return _perplexity(share_cores(config, config.torch_device), text, prefix, chunks, loaded)
+    finally:
+        torch.set_num_threads(threads)      # share_cores changed it for this run only
+
+
+def _perplexity(config: EngineConfig, text: str, prefix: int, chunks: int, loaded) -> dict:
     loaded = loaded or load_model(config.model, config.dtype, config.torch_device, config.max_model_len)
     a = loaded.args
     ids = loaded.tokenizer(text)["input_ids"]

@@ -102,3 +102,80 @@ def encode_reply_o(reply: pb.Reply, o: np.ndarray, dtype: str = "") -> bytes:
     data_prefix = _len_prefix(1, o.nbytes)
     body = len(meta) + len(data_prefix) + o.nbytes
     return b"".join([reply.SerializeToString(), _len_prefix(4, body), meta, data_prefix, o.reshape(-1).view(np.uint8)])
+
+
+def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
+    shift = result = 0
+    while True:
+        byte = buf[i]
+        i += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, i
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def _split_field(buf, field: int):
+    """Top-level fields of a serialised message: (the bytes of all but `field`, the [start, end) span
+    of `field`'s payload); the span is None when the field is absent. ValueError when malformed
+    or when `field` occurs more than once (protobuf would merge the occurrences)."""
+    rest, span, i, n = [], None, 0, len(buf)
+    while i < n:
+        start = i
+        key, i = _read_varint(buf, i)
+        wire_type = key & 7
+        if wire_type == 0:
+            _, i = _read_varint(buf, i)
+        elif wire_type == 1:
+            i += 8
+        elif wire_type == 5:
+            i += 4
+        elif wire_type == 2:
+            length, i = _read_varint(buf, i)
+            if key >> 3 == field:
+                if span is not None:
+                    raise ValueError("field repeated")
+                span = (i, i + length)
+                i += length
+                continue
+            i += length
+        else:
+            raise ValueError(f"wire type {wire_type}")
+        rest.append(buf[start:i])
+    if i != n:
+        raise ValueError("truncated message")
+    return rest, span
+
+
+class WireReply:
+    """A Reply whose o.data is left in the received buffer (o_data, a memoryview: no copy);
+    every other attribute is the parsed Reply's (o.data there is empty)."""
+
+    __slots__ = ("msg", "o_data")
+
+    def __init__(self, msg: pb.Reply, o_data) -> None:
+        self.msg, self.o_data = msg, o_data
+
+    def __getattr__(self, name):
+        return getattr(self.msg, name)
+
+
+def decode_reply(buf: bytes) -> WireReply:
+    """Client-side Reply deserializer: parses everything but o's data, which stays a view into buf
+    (a reply of B=512 carries ~1 MB; protobuf would copy it twice). Falls back to plain parsing
+    for anything unusual."""
+    try:
+        mv = memoryview(buf)
+        rest, span = _split_field(mv, 4)
+        if span is None:
+            return WireReply(pb.Reply.FromString(buf), b"")
+        t_rest, d_span = _split_field(mv[span[0]:span[1]], 1)
+        msg = pb.Reply.FromString(b"".join(rest))
+        msg.o.MergeFromString(b"".join(t_rest))
+        data = mv[span[0] + d_span[0]:span[0] + d_span[1]] if d_span is not None else b""
+        return WireReply(msg, data)
+    except (ValueError, IndexError):
+        msg = pb.Reply.FromString(buf)                  # raises DecodeError when truly malformed
+        return WireReply(msg, msg.o.data)

@@ -18,6 +18,15 @@ from fastdecode.engine import (Engine, EngineOverloadedError, InvalidRequestErro
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny batches are latency-bound: one thread, no OpenMP spinning against other jobs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def engine(tiny_model_dir):
     e = Engine(EngineConfig(model=tiny_model_dir, attention="torch", max_waiting=64))

@@ -11,6 +11,7 @@ override the `backend_overrides` fixture (a dict of EngineConfig overrides), e.g
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -36,6 +37,18 @@ PROMPTS = [
     "Explain the difference between a list and a tuple in Python. Give a short example of each, and say "
     "when you would choose one over the other in real code that other people read.",
 ]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Batch-1 reference decoding is latency-bound: one thread is as fast on an idle
+    machine and far faster on a busy one (no OpenMP spinning against other jobs)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def kernels_built() -> bool:
@@ -129,6 +142,11 @@ def compare(ours: list[list[int]], ref: tuple) -> list[str]:
 
 
 class EngineExactSuite:
+    @pytest.fixture(autouse=True)
+    def _one_torch_thread(self):
+        with torch_threads(1):
+            yield
+
     @pytest.fixture(params=backend_params())
     def backend_overrides(self, request) -> dict:
         return request.param
@@ -166,6 +184,11 @@ class TestEngineExact(EngineExactSuite):
 @pytest.mark.parametrize("overrides", backend_params())
 def test_default_model_bf16_agreement(overrides):
     """bf16 rounds differently from transformers' bf16 kernels: the first tokens agree, reported."""
+    with torch_threads(1):
+        _bf16_agreement(overrides)
+
+
+def _bf16_agreement(overrides):
     model_dir = default_model_dir()
     n = 8
     ref = hf_reference(model_dir, "bfloat16", n)

@@ -40,8 +40,8 @@ from fastdecode.attention.base import AttentionBackend, AttentionError, KVCapaci
 from rworker.auth import bearer, channel_credentials
 from rworker.proto import rworker_pb2 as pb
 from rworker.proto import rworker_pb2_grpc as pb_grpc
-from rworker.wire import (HTTP2_OPTIONS, WIRE_DTYPES, bf16_to_f32, encode_decode_request, keep_freed_memory,
-                          to_tensor)
+from rworker.wire import (HTTP2_OPTIONS, WIRE_DTYPES, bf16_to_f32, decode_reply, encode_decode_request,
+                          keep_freed_memory, to_tensor)
 
 log = logging.getLogger("fastdecode.remote")
 
@@ -141,7 +141,7 @@ class _Worker:
         # Requests go on the queue already serialised (see send): gRPC's sender thread then
         # only hands bytes to the C core instead of taking the GIL to serialise a message.
         session = self.channel.stream_stream(SESSION_METHOD, request_serializer=None,
-                                             response_deserializer=pb.Reply.FromString)
+                                             response_deserializer=decode_reply)
         call = session(iter(requests.get, _END), metadata=self.metadata)
         with self.lock:
             self.generation += 1
@@ -279,7 +279,7 @@ class _Gather:
             if reply.code:
                 raise _reply_error(worker.address, reply)
             o = reply.o
-            a = np.frombuffer(o.data, dtype=WIRE_DTYPES[o.dtype]).reshape(tuple(o.shape))
+            a = np.frombuffer(reply.o_data, dtype=WIRE_DTYPES[o.dtype]).reshape(tuple(o.shape))
             self.out_np[rows, heads] = bf16_to_f32(a) if o.dtype == "bfloat16" else a
             worker.kernel_s += reply.kernel_s
             worker.calls += 1
