@@ -156,8 +156,6 @@ class AttentionBackendSuite:
     @pytest.mark.parametrize("shape", [(1, SPEC.num_heads, SPEC.head_dim + 1), (2, SPEC.num_heads, SPEC.head_dim),
                                        (1, SPEC.num_heads - 1, SPEC.head_dim)])
     def test_bad_q_shape_is_value_error(self, backend, shape):
-        if type(backend) is TorchAttention:
-            pytest.xfail("torch_ref.TorchAttention does not check shapes yet (asked of the lead)")
         backend.open([6])
         k = rand(1, SPEC.num_kv_heads, SPEC.head_dim)
         with pytest.raises(ValueError):

@@ -48,3 +48,17 @@ def test_engine_rejects_garbage_sls_config(tiny_model_dir):
         EngineConfig(model=tiny_model_dir, scheduler="sls", sls_f=0)
     with pytest.raises(ValueError, match="smaller than one request"):
         Engine(EngineConfig(model=tiny_model_dir, scheduler="sls", sls_w_lim=8, sls_target_len=64))
+
+
+def test_request_longer_than_fixed_w_lim_is_refused_and_engine_keeps_serving(tiny_model_dir):
+    from fastdecode.engine import Engine, InvalidRequestError, SamplingParams
+
+    engine = Engine(EngineConfig(model=tiny_model_dir, attention="torch", scheduler="sls", max_running=4,
+                                 sls_f=2, sls_w_lim=40))
+    try:
+        with pytest.raises(InvalidRequestError, match="sls_w_lim=40"):
+            engine.add_request([5] * 10, SamplingParams(max_tokens=100, ignore_eos=True))
+        outs = list(engine.generate([5] * 10, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))
+    finally:
+        engine.stop()
+    assert outs[-1].finished and outs[-1].num_output_tokens == 20

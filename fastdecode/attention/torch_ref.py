@@ -49,13 +49,20 @@ class TorchAttention(AttentionBackend):
         if missing:
             raise KeyError(f"unknown sequence id(s) {missing[:8]}")
 
+    def _check_shape(self, name: str, t: torch.Tensor, rows: int, heads: int) -> None:
+        want = (rows, heads, self.spec.head_dim)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want}")
+
     def prefill(self, layer, seq_ids, lens, k, v) -> None:
         self._check(seq_ids)
         offsets = [0]
         for n in lens:
             offsets.append(offsets[-1] + n)
-        if offsets[-1] != k.shape[0] or k.shape != v.shape:
-            raise ValueError(f"prefill: k/v have {k.shape[0]} tokens, lens sum to {offsets[-1]}")
+        if len(lens) != len(seq_ids) or min(lens, default=1) < 1:
+            raise ValueError(f"prefill: need one positive length per sequence, got {list(lens)}")
+        self._check_shape("prefill k", k, offsets[-1], self.spec.num_kv_heads)
+        self._check_shape("prefill v", v, offsets[-1], self.spec.num_kv_heads)
         for i, s in enumerate(seq_ids):
             a, b = offsets[i], offsets[i + 1]
             self.k[s][layer] = torch.cat([self.k[s][layer], k[a:b].float()])
@@ -63,6 +70,9 @@ class TorchAttention(AttentionBackend):
 
     def submit_decode(self, layer, seq_ids, q, k, v) -> Future:
         self._check(seq_ids)
+        self._check_shape("q", q, len(seq_ids), self.spec.num_heads)
+        self._check_shape("k", k, len(seq_ids), self.spec.num_kv_heads)
+        self._check_shape("v", v, len(seq_ids), self.spec.num_kv_heads)
         out = torch.empty(q.shape, dtype=torch.float32)
         for i, s in enumerate(seq_ids):
             self.k[s][layer] = torch.cat([self.k[s][layer], k[i : i + 1].float()])

@@ -103,6 +103,12 @@ class Engine:
                 raise EngineOverloadedError(f"{len(self._waiting)} requests are waiting (limit "
                                             f"{self.config.max_waiting}); retry later")
             seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params, self.tokenizer, on_output)
+            check = getattr(self.scheduler, "check", None)
+            if check is not None:
+                try:
+                    check(self._candidate(seq))
+                except ValueError as e:
+                    raise InvalidRequestError(str(e)) from None
             self._requests[request_id] = seq
             self._waiting.append(seq)
         self._wake.set()
@@ -204,11 +210,16 @@ class Engine:
         self._process_aborts()
         self._record(t0, len(sampled), len(admitted))
 
+    def _candidate(self, seq: Sequence) -> Candidate:
+        """What the scheduler sees: the most context this request can really reach."""
+        room = self.max_model_len - len(seq.prompt_ids)
+        return Candidate(seq.seq_id, len(seq.prompt_ids), min(seq.params.max_tokens, room))
+
     def _admit(self) -> list[Sequence]:
         with self._lock:
             room = max(0, self.config.max_running - len(self._running))
             head = list(itertools.islice(self._waiting, room))
-        cands = [Candidate(s.seq_id, len(s.prompt_ids), s.params.max_tokens) for s in head]
+        cands = [self._candidate(s) for s in head]
         n = min(self.scheduler.admit(self._step, cands, len(self._running)), len(head))
         if n <= 0:
             return []
