@@ -32,12 +32,14 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 # Triton's Python backend needs the stub of our Python version beside it.
 $(STUB): $(VENV)/.installed
-	cp $(TRITON_DIR)/python_backend_stubs/3.11/triton_python_backend_stub $@
-	chmod +x $@
+	cp $(TRITON_DIR)/python_backend_stubs/3.11/triton_python_backend_stub $@.tmp
+	chmod +x $@.tmp && mv -f $@.tmp $@
 
 # The C++ kernel and the gRPC stubs, rebuilt only when their sources change.
 build: $(VENV)/.built
 $(VENV)/.built: $(VENV)/.installed setup.py $(wildcard csrc/*.cpp csrc/*.h rworker/proto/*.proto)
+	# unlink first: a running R-worker or Triton keeps its mapped copy intact
+	rm -f fastdecode/_kernels*.so
 	$(PY) setup.py -q build_ext --inplace
 	touch $@
 

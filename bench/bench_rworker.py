@@ -129,6 +129,9 @@ def breakdown(trace: list[dict], woke_ns: list[int] | None = None) -> dict:
                          worker_other=last[1] - last[0] - last[2] * 1e9, back=last[3] - last[1],
                          client_decode=last[4] - last[3], gather_wait=c["done_ns"] - last[4]))
     out = {k: _median_us(r[k] for r in rows) for k in rows[0]} if rows else {}
+    # Medians of the parts need not add up to the median total (contention gives heavy tails);
+    # the means do (the parts telescope from submit to done).
+    out["mean"] = {k: round(statistics.fmean(r[k] for r in rows) / 1e3, 1) for k in rows[0]} if rows else {}
     if woke_ns:
         out["future_handoff"] = _median_us([w - c["done_ns"] for w, c in zip(woke_ns, trace)])
     out["calls"] = len(rows)

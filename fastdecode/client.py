@@ -49,6 +49,7 @@ def generate(prompt: str, *, url: str = DEFAULT_URL, model: str = DEFAULT_MODEL,
 
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
+    ended = False          # the server ended the request (final response or error): nothing to cancel
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         try:
@@ -66,14 +67,22 @@ def generate(prompt: str, *, url: str = DEFAULT_URL, model: str = DEFAULT_MODEL,
             except queue.Empty:
                 raise GenerationError(f"no response from {url} in {timeout:.0f} s") from None
             if error is not None:
+                ended = True
                 raise GenerationError(str(error))
+            final = result.get_response().parameters["triton_final_response"].bool_param
+            ended = final
             out = decode_result(result)
             if out:
                 yield out
-            if result.get_response().parameters["triton_final_response"].bool_param:
+            if final:
                 return
     finally:
-        client.stop_stream(cancel_requests=True)
+        # Cancel only a request still running (timeout, caller stopped early). Cancelling the stream
+        # of a request that has ended races Triton 2.51's gRPC frontend: a cancel that lands while
+        # the final response is being written marks that request CANCELLATION_ISSUED and waits for
+        # a callback that already came, so the request -- and with it the model -- is never freed
+        # (the model then stays UNLOADING and never gets finalize()).
+        client.stop_stream(cancel_requests=not ended)
         client.close()
 
 

@@ -170,6 +170,7 @@ class TritonServer:
         self.log_verbose = log_verbose
         self.exit_timeout_s = exit_timeout_s
         self.proc: subprocess.Popen | None = None
+        self.clean_exit: bool | None = None   # after stop(): exited 0 on SIGTERM, nothing left to kill
 
     @property
     def log_path(self) -> Path:
@@ -231,7 +232,7 @@ class TritonServer:
 
     def stop(self) -> None:
         if self.proc is not None:
-            stop_process(self.proc.pid, self.exit_timeout_s + 10, proc=self.proc)
+            self.clean_exit = stop_process(self.proc.pid, self.exit_timeout_s + 10, proc=self.proc)
             self.proc = None
         self.pid_path.unlink(missing_ok=True)
 
@@ -261,10 +262,16 @@ def log_tail(path: Path, lines: int = 25) -> str:
     return "\n".join(errors + ["..."] + tail) if all_lines else "(log empty)"
 
 
-def stop_process(pid: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+def stop_process(pid: int, timeout: float, proc: subprocess.Popen | None = None) -> bool:
     """Stop the tritonserver we started (it leads its own process group): SIGTERM, SIGKILL after
-    `timeout` s. Then end what is left of its group -- Python-backend stubs outlive a server
-    that gave up waiting for a model to unload -- and unlink their shared-memory regions."""
+    `timeout` s. Then end what is left of its group and unlink the stubs' shared-memory regions.
+
+    A safety net: Python-backend stubs outlive a server that gave up waiting for a model to
+    unload. Triton 2.51 can keep a model UNLOADING forever when a gRPC client cancels its stream
+    just as the final response of a request is written (see fastdecode.client.generate); then
+    the server waits its whole --exit-timeout-secs and exits non-zero with the stub still alive.
+    Returns True when none of that was needed: the server exited 0 on SIGTERM, nothing left."""
+    clean = True
     def gone() -> bool:
         if proc is not None:
             return proc.poll() is not None
@@ -277,6 +284,7 @@ def stop_process(pid: int, timeout: float, proc: subprocess.Popen | None = None)
     shm = [arg for member in _group_members(pid) for arg in _cmdline(member)
            if arg.startswith("triton_python_backend_shm_region")]
     for sig in (signal.SIGTERM, signal.SIGKILL):
+        clean = clean and sig == signal.SIGTERM
         try:
             os.killpg(pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -286,16 +294,20 @@ def stop_process(pid: int, timeout: float, proc: subprocess.Popen | None = None)
             time.sleep(0.1)
         if gone():
             break
+    if proc is not None and proc.returncode != 0:
+        clean = False
     deadline = time.monotonic() + 5.0
     while _group_members(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     if _group_members(pid):
+        clean = False
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
     for name in shm:
         Path("/dev/shm", name).unlink(missing_ok=True)
+    return clean
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -409,8 +421,10 @@ def cmd_stop(args) -> int:
     if pid_file.exists():
         pid = int(pid_file.read_text())
         if _alive(pid):
-            stop_process(pid, timeout=args.timeout)
-            print(f"stopped tritonserver (pid {pid})", file=sys.stderr)
+            clean = stop_process(pid, timeout=args.timeout)
+            print(f"stopped tritonserver (pid {pid})" + ("" if clean else
+                  f"; it did not exit cleanly, leftovers were killed (log {run_dir / 'tritonserver.log'})"),
+                  file=sys.stderr)
         pid_file.unlink(missing_ok=True)
     else:
         print(f"no tritonserver recorded in {run_dir}", file=sys.stderr)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from fastdecode import client
-from fastdecode.serve import TritonServer, tritonserver_binary, write_model_repository
+from fastdecode.serve import TritonServer, log_tail, tritonserver_binary, write_model_repository
 
 pytestmark = [pytest.mark.triton,
               pytest.mark.skipif(not tritonserver_binary().exists(),
@@ -58,12 +58,16 @@ def server(tiny_model_dir, fleet, tmp_path_factory):
     repo = write_model_repository(run_dir / "model_repository", {
         "model": tiny_model_dir, **attention, "max_running": "64",
         "metrics_interval_ms": "100", "cancel_poll_ms": "20", "fault_step_error_file": str(crash_flag)})
-    # exit timeout 3 s: Triton 2.51 at times keeps a decoupled Python model "UNLOADING" after
-    # all its requests have ended; it then waits the whole exit timeout before it exits.
+    # exit timeout 3 s: only a bound for a failing run. A gRPC client that cancels its stream as the
+    # final response is written makes Triton 2.51 keep the model UNLOADING (fastdecode.client.generate
+    # no longer does that); the server would then wait out the timeout and exit non-zero.
     with TritonServer(repo, run_dir, exit_timeout_s=3) as s:
         s.crash_flag = crash_flag
         yield s
         pid = s.proc.pid
+    # the clean path, not the safety net: the server exited 0 on SIGTERM with nothing left to kill
+    assert s.clean_exit, f"tritonserver did not exit cleanly; log {s.log_path}:\n{log_tail(s.log_path)}"
+    assert "Exit timeout expired" not in s.log_path.read_text()
     # nothing outlives the server: no stub process, no shared-memory region
     from fastdecode.serve import _group_members
 
@@ -347,3 +351,65 @@ def test_crashed_engine_loop_makes_model_not_ready_then_reload(server):
     assert c.is_model_ready(MODEL)
     assert sum(r["num_output_tokens"] for r in generate(server, "back again", {"max_tokens": 3, "temperature": 0.0},
                                                         return_num_output_tokens=True)) == 3
+
+
+# ---- clean unload (after the crash drill: unloads the model, then loads it again)
+
+def model_state(c) -> str:
+    index = c.get_model_repository_index(as_json=True).get("models", [])
+    return next((m.get("state", "") for m in index if m["name"] == MODEL), "")
+
+
+def stub_processes(server) -> list[int]:
+    from fastdecode.serve import _cmdline, _group_members
+
+    return [p for p in _group_members(server.proc.pid) if any("triton_python_backend_stub" in a for a in _cmdline(p))]
+
+
+def test_unload_after_every_kind_of_request_is_prompt(server):
+    """After streamed, non-streamed, concurrent, HTTP, ensemble, bad and cancelled requests, the
+    model unloads at once: finalize() runs and its stub exits (no wait for Triton's timeouts)."""
+    import tritonclient.grpc as grpcclient
+
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    assert c.is_model_ready(MODEL)
+    short = {"max_tokens": 4, "temperature": 0.0}
+    for i in range(4):
+        generate(server, f"streamed {i}", short)
+        generate(server, f"whole {i}", short, stream=False)
+    threads = [threading.Thread(target=generate, args=(server, f"concurrent {i}", short)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert http_post(server, "generate", {"text_input": "http", "parameters": short})[0] == 200
+    assert http_post(server, "generate_stream", {"text_input": "sse", "stream": True,
+                                                 "sampling_parameters": json.dumps(short)})[0] == 200
+    assert list(client.generate("ensemble", url=server.grpc_url, model="ensemble", sampling=short, timeout=60))
+    for case in ("malformed JSON", "max_tokens 0", "empty string"):
+        assert raw_stream(server, BAD[case][0])[1] is not None
+    got: queue.Queue = queue.Queue()
+    cancelled = grpcclient.InferenceServerClient(server.grpc_url)
+    cancelled.start_stream(callback=lambda result, error: got.put((result, error)))
+    cancelled.async_stream_infer(MODEL, client.build_inputs("a long one", {"max_tokens": 450, "ignore_eos": True}))
+    assert got.get(timeout=30)[1] is None
+    cancelled.stop_stream(cancel_requests=True)
+    cancelled.close()
+    time.sleep(0.2)   # the cancellation reaches the engine (cancel_poll_ms 20)
+
+    finalized = server.log_path.read_text().count("fastdecode: finalize: done")
+    t0 = time.monotonic()
+    c.unload_model(MODEL)
+    while model_state(c) in ("READY", "UNLOADING") and time.monotonic() - t0 < 15:
+        time.sleep(0.05)
+    state, took = model_state(c), time.monotonic() - t0
+    assert state == "UNAVAILABLE", f"model still {state} after {took:.1f} s; log {server.log_path}"
+    assert took < 10
+    assert server.log_path.read_text().count("fastdecode: finalize: done") == finalized + 1
+    deadline = time.monotonic() + 5
+    while stub_processes(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stub_processes(server) == []
+    c.load_model(MODEL)
+    assert c.is_model_ready(MODEL)
+    assert len(stub_processes(server)) == 1
