@@ -62,10 +62,11 @@ static void scores_fp16(const Layout& L, const uint8_t* head, int n, const float
 }
 
 // QK for int4 keys. qsum[g * ng + grp] = sum of q_g over the channels of group grp.
-template <int GT>
+// QG: the group size when known at compile time (0: L.qgroup), so the row loop unrolls.
+template <int GT, int QG>
 static void scores_int4(const Layout& L, const uint8_t* head, int n, const float* q, const float* qsum,
                         float* P) {
-  const int D = L.head_dim, bsp = L.bsp, qg = L.qgroup, ng = D / qg;
+  const int D = L.head_dim, bsp = L.bsp, qg = QG ? QG : L.qgroup, ng = D / qg;
   const uint8_t* Kn = head + L.k_off;
   const uint16_t* Ks = reinterpret_cast<const uint16_t*>(head + L.ks_off);
   const uint16_t* Kz = reinterpret_cast<const uint16_t*>(head + L.kz_off);
@@ -80,6 +81,7 @@ static void scores_int4(const Layout& L, const uint8_t* head, int n, const float
       const uint8_t* kr = Kn + static_cast<ptrdiff_t>(grp * qg / 2) * bsp + c0;  // channel-pair rows
       const float* qd[GT];
       for (int g = 0; g < GT; ++g) qd[g] = q + g * D + grp * qg;
+#pragma GCC unroll 16
       for (int pr = 0; pr < qg / 2; pr += R, kr += R * static_cast<ptrdiff_t>(bsp)) {
         F lo[R], hi[R];
         for (int j = 0; j < R; ++j) V::nib(kr + j * static_cast<ptrdiff_t>(bsp), lo[j], hi[j]);
@@ -188,10 +190,10 @@ static void pv_fp16(const Layout& L, const uint8_t* head, int n, const float* P,
   for (; d0 < D; d0 += W) pv_fp16_chunk<GT, 1>(Vr, D, n, P, L.bsp, acc, d0, pf);
 }
 
-template <int GT, int GC>
-static void pv_int4_groups(int D, int ng, int half, int bsp, int n, const uint8_t* Vn, const float* Cc, float* acc,
+template <int GT, int GC, int QG>
+static void pv_int4_groups(int D, int ng, int half_rt, int bsp, int n, const uint8_t* Vn, const float* Cc, float* acc,
                            Prefetch& pf) {
-  const int qg = 2 * half;
+  const int half = QG ? QG / 2 : half_rt, qg = 2 * half;
   for (int g0 = 0; g0 < ng; g0 += GC) {
     for (int i = 0; i < half; i += W) {
       F lo_acc[GT][GC], hi_acc[GT][GC];
@@ -226,7 +228,7 @@ static void pv_int4_groups(int D, int ng, int half, int bsp, int n, const uint8_
 }
 
 // acc[g] += sum_t (P[g][t] * scale_t) * u_t;  zacc[g][grp] (W lanes) += sum_t P[g][t] * zero_t
-template <int GT>
+template <int GT, int QG>
 static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P, float* Cc, float* acc,
                     float* zacc, Prefetch& pf) {
   const int D = L.head_dim, bsp = L.bsp, qg = L.qgroup, ng = D / qg, half = qg / 2;
@@ -247,9 +249,9 @@ static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P,
   }
   constexpr int GC = GT == 1 ? 4 : (GT == 2 ? 2 : 1);  // groups in flight: >= 8 FMA chains
   if (ng % GC == 0)
-    pv_int4_groups<GT, GC>(D, ng, half, bsp, n, Vn, Cc, acc, pf);
+    pv_int4_groups<GT, GC, QG>(D, ng, half, bsp, n, Vn, Cc, acc, pf);
   else
-    pv_int4_groups<GT, 1>(D, ng, half, bsp, n, Vn, Cc, acc, pf);
+    pv_int4_groups<GT, 1, QG>(D, ng, half, bsp, n, Vn, Cc, acc, pf);
 }
 
 // Per-item running state, pointers into the thread's scratch.
@@ -264,8 +266,10 @@ static void tile(const Layout& L, const uint8_t* head, int n, const float* q, co
   const int D = L.head_dim, bsp = L.bsp;
   float* P = st.P + g0 * bsp;
   float* acc = st.acc + g0 * D;
-  if (L.int4)
-    scores_int4<GT>(L, head, n, q + g0 * D, st.qsum + g0 * ng, P);
+  if (L.int4 && L.qgroup == 32)
+    scores_int4<GT, 32>(L, head, n, q + g0 * D, st.qsum + g0 * ng, P);
+  else if (L.int4)
+    scores_int4<GT, 0>(L, head, n, q + g0 * D, st.qsum + g0 * ng, P);
   else
     scores_fp16<GT>(L, head, n, q + g0 * D, P);
   float corr[GT];
@@ -280,8 +284,10 @@ static void tile(const Layout& L, const uint8_t* head, int n, const float* q, co
       }
     }
   }
-  if (L.int4)
-    pv_int4<GT>(L, head, n, P, st.Cc, acc, st.zacc + g0 * ng * W, pf);
+  if (L.int4 && L.qgroup == 32)
+    pv_int4<GT, 32>(L, head, n, P, st.Cc, acc, st.zacc + g0 * ng * W, pf);
+  else if (L.int4)
+    pv_int4<GT, 0>(L, head, n, P, st.Cc, acc, st.zacc + g0 * ng * W, pf);
   else
     pv_fp16<GT>(L, head, n, P, acc, pf);
 }
@@ -304,8 +310,8 @@ static inline float* align16(float* p) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~static_cast<uintptr_t>(63));
 }
 
-// Blocks ahead the kernel prefetches (one block of one head: 8 KiB at fp16, D=128).
-constexpr int kPrefetchBlocks = 2;
+// Bytes ahead the kernel prefetches (one block of one head: 8 KiB at fp16, 2.5 KiB at int4, D=128).
+constexpr size_t kPrefetchBytes = 16384;
 
 // Work items [begin, end) of the job; scratch holds scratch_floats(L, G) floats.
 static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
@@ -339,12 +345,14 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
         st.qsum[g * ng + grp] = t;
       }
     const int nblk = (ntok + bs - 1) / bs;
+    // about kPrefetchBytes ahead, whatever the head region's size (int4 regions are small)
+    const int pf_blocks = static_cast<int>((kPrefetchBytes + L.head_bytes - 1) / L.head_bytes);
     const size_t hoff = static_cast<size_t>(h) * L.head_bytes;
     for (int i = 0; i < nblk; ++i) {
       const uint8_t* head = J.pool + static_cast<size_t>(table[i]) * L.block_bytes + hoff;
       Prefetch pf;  // spread over this block's PV token loop, so ~lines/n per token
-      if (i + kPrefetchBlocks < nblk) {
-        pf.cur = J.pool + static_cast<size_t>(table[i + kPrefetchBlocks]) * L.block_bytes + hoff;
+      if (i + pf_blocks < nblk) {
+        pf.cur = J.pool + static_cast<size_t>(table[i + pf_blocks]) * L.block_bytes + hoff;
         pf.end = pf.cur + L.head_bytes;
         pf.per_step = static_cast<int>((L.head_bytes / 64 + bs - 1) / bs);
       }

@@ -386,9 +386,11 @@ def cmd_start(args) -> int:
                                                     "metrics": server.metrics_url, "parameters": params}, indent=1))
     from fastdecode import client
 
+    prompt = "The sea is"
     print(f"\nready. one streamed completion from model {DEFAULT_MODEL_NAME!r}:", file=sys.stderr)
+    print(prompt, end="", flush=True)
     try:
-        client.stream_completion("Write one sentence about the sea.", url=server.grpc_url,
+        client.stream_completion(prompt, url=server.grpc_url,
                                  sampling={"max_tokens": 32, "temperature": 0.0}, out=sys.stdout)
     except Exception as e:  # the server runs; say why the demo failed and keep it up
         print(f"\n(completion failed: {e})", file=sys.stderr)
