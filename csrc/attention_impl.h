@@ -159,7 +159,8 @@ constexpr int pv_chunk() {
 
 template <int GT, int DC>
 static void pv_fp16_chunk(const uint16_t* Vr, int D, int n, const float* P, int bsp, float* acc, int d0,
-                          Prefetch& pf) {
+                          Prefetch& pf_io) {
+  Prefetch pf = pf_io;  // a local copy stays in registers
   F a[GT][DC];
   for (int g = 0; g < GT; ++g)
     for (int j = 0; j < DC; ++j) a[g][j] = V::load(acc + g * D + d0 + j * W);
@@ -177,6 +178,7 @@ static void pv_fp16_chunk(const uint16_t* Vr, int D, int n, const float* P, int 
   }
   for (int g = 0; g < GT; ++g)
     for (int j = 0; j < DC; ++j) V::store(acc + g * D + d0 + j * W, a[g][j]);
+  pf_io = pf;
 }
 
 // acc[g] += sum_t P[g][t] * V_t (fp16 values)
@@ -192,8 +194,38 @@ static void pv_fp16(const Layout& L, const uint8_t* head, int n, const float* P,
 
 template <int GT, int GC, int QG>
 static void pv_int4_groups(int D, int ng, int half_rt, int bsp, int n, const uint8_t* Vn, const float* Cc, float* acc,
-                           Prefetch& pf) {
+                           Prefetch& pf_io) {
+  Prefetch pf = pf_io;  // a local copy stays in registers
   const int half = QG ? QG / 2 : half_rt, qg = 2 * half;
+  if constexpr (GT == 1 && GC == 4) {  // the MHA case, in named registers (arrays were spilled)
+    for (int g0 = 0; g0 < ng; g0 += 4) {
+      for (int i = 0; i < half; i += W) {
+        float* a = acc + g0 * qg + i;
+        F l0 = V::load(a), h0 = V::load(a + half), l1 = V::load(a + qg), h1 = V::load(a + qg + half);
+        F l2 = V::load(a + 2 * qg), h2 = V::load(a + 2 * qg + half);
+        F l3 = V::load(a + 3 * qg), h3 = V::load(a + 3 * qg + half);
+        const uint8_t* src = Vn + g0 * half + i;
+        const float *c0 = Cc + g0 * bsp, *c1 = c0 + bsp, *c2 = c1 + bsp, *c3 = c2 + bsp;
+        for (int t = 0; t < n; ++t, src += D / 2) {
+          pf.step();
+          F lo, hi, k;
+          V::nib(src, lo, hi);
+          k = V::set1(c0[t]); l0 = V::fma(k, lo, l0); h0 = V::fma(k, hi, h0);
+          V::nib(src + half, lo, hi);
+          k = V::set1(c1[t]); l1 = V::fma(k, lo, l1); h1 = V::fma(k, hi, h1);
+          V::nib(src + 2 * half, lo, hi);
+          k = V::set1(c2[t]); l2 = V::fma(k, lo, l2); h2 = V::fma(k, hi, h2);
+          V::nib(src + 3 * half, lo, hi);
+          k = V::set1(c3[t]); l3 = V::fma(k, lo, l3); h3 = V::fma(k, hi, h3);
+        }
+        V::store(a, l0); V::store(a + half, h0); V::store(a + qg, l1); V::store(a + qg + half, h1);
+        V::store(a + 2 * qg, l2); V::store(a + 2 * qg + half, h2);
+        V::store(a + 3 * qg, l3); V::store(a + 3 * qg + half, h3);
+      }
+    }
+    pf_io = pf;
+    return;
+  }
   for (int g0 = 0; g0 < ng; g0 += GC) {
     for (int i = 0; i < half; i += W) {
       F lo_acc[GT][GC], hi_acc[GT][GC];
@@ -207,7 +239,9 @@ static void pv_int4_groups(int D, int ng, int half_rt, int bsp, int n, const uin
       for (int g = 0; g < GT; ++g)
         for (int c = 0; c < GC; ++c) cg[g][c] = Cc + (g * ng + g0 + c) * bsp;
       for (int t = 0; t < n; ++t, src += D / 2) {
-        pf.step();
+        if ((t & 3) == 0) {  // prefetch for 4 tokens at once: GCC spills fewer accumulators
+          pf.step(); pf.step(); pf.step(); pf.step();
+        }
         for (int c = 0; c < GC; ++c) {
           F lo, hi;
           V::nib(src + c * half, lo, hi);
@@ -225,6 +259,7 @@ static void pv_int4_groups(int D, int ng, int half_rt, int bsp, int n, const uin
         }
     }
   }
+  pf_io = pf;
 }
 
 // acc[g] += sum_t (P[g][t] * scale_t) * u_t;  zacc[g][grp] (W lanes) += sum_t P[g][t] * zero_t
@@ -311,7 +346,9 @@ static inline float* align16(float* p) {
 }
 
 // Bytes ahead the kernel prefetches (one block of one head: 8 KiB at fp16, 2.5 KiB at int4, D=128).
-constexpr size_t kPrefetchBytes = 16384;
+// Measured (bench/kernel_micro.py, 1 thread, Zen5): fp16 best 1 block ahead, int4 7 blocks;
+// int4 regions are small, so its next blocks must be requested earlier.
+constexpr size_t kPrefetchBytesFp16 = 8192, kPrefetchBytesInt4 = 16384;
 
 // Work items [begin, end) of the job; scratch holds scratch_floats(L, G) floats.
 static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
@@ -345,8 +382,8 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
         st.qsum[g * ng + grp] = t;
       }
     const int nblk = (ntok + bs - 1) / bs;
-    // about kPrefetchBytes ahead, whatever the head region's size (int4 regions are small)
-    const int pf_blocks = static_cast<int>((kPrefetchBytes + L.head_bytes - 1) / L.head_bytes);
+    const size_t pf_bytes = L.int4 ? kPrefetchBytesInt4 : kPrefetchBytesFp16;
+    const int pf_blocks = static_cast<int>((pf_bytes + L.head_bytes - 1) / L.head_bytes);
     const size_t hoff = static_cast<size_t>(h) * L.head_bytes;
     for (int i = 0; i < nblk; ++i) {
       const uint8_t* head = J.pool + static_cast<size_t>(table[i]) * L.block_bytes + hoff;
