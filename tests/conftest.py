@@ -24,3 +24,14 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_model_dirs) -> str:
     return tiny_model_dirs["gqa"]
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny batches are latency-bound: one thread, no OpenMP spinning against other jobs."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

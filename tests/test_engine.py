@@ -18,13 +18,7 @@ from fastdecode.engine import (Engine, EngineOverloadedError, InvalidRequestErro
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny batches are latency-bound: one thread, no OpenMP spinning against other jobs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

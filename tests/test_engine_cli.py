@@ -4,18 +4,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from fastdecode.__main__ import main
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny batches are latency-bound: one thread, no OpenMP spinning against other jobs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_generate_streams_text(tiny_model_dir, capsys):

@@ -11,13 +11,7 @@ from fastdecode.model import default_model
 from fastdecode.model.loader import load_model, map_name
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny batches are latency-bound: one thread, no OpenMP spinning against other jobs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("name", ["gqa", "mha_tied", "llama3_rope", "qwen2_bias"])
