@@ -332,18 +332,13 @@ void KVStore::append_locked(int layer, const std::vector<Seq*>& seqs, const int6
 }
 
 void KVStore::append(int layer, const int64_t* ids, int B, Input k, Input v) {
-  const size_t count = static_cast<size_t>(B) * L_.num_kv_heads * L_.head_dim;
-  check_kv_values(k, count, "k");
-  check_kv_values(v, count, "v");
-  std::lock_guard<std::mutex> lk(mu_);
-  check_open();
-  check_layer(layer);
-  append_locked(layer, lookup(ids, B), nullptr, k, v);
+  append_span(layer, ids, B, nullptr, k, v);
 }
 
+// lens == nullptr: one token per sequence (decode).
 void KVStore::append_span(int layer, const int64_t* ids, int B, const int64_t* lens, Input k, Input v) {
-  int64_t total = 0;
-  for (int i = 0; i < B; ++i) {
+  int64_t total = lens ? 0 : B;
+  for (int i = 0; lens && i < B; ++i) {
     if (lens[i] < 0) throw ValueErr("lens must be >= 0");
     total += lens[i];
   }
