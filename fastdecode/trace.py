@@ -5,6 +5,9 @@ s_wait, r_wait (None when not measurable), step_time; times in seconds.
 
     records = load_trace("run/trace.jsonl")
     summary = summarize(records, warmup=200)     # steady state: after the first 200 steps
+
+A live engine's trace (engine.trace, its newest records) feeds metrics through TraceCursor
+(each record once) and step_totals (sums and step-time statistics of those records).
 """
 from __future__ import annotations
 
@@ -108,3 +111,45 @@ def utilisation(records: Sequence[dict]) -> dict:
         return sum(vals) / total
     return {"s_util": frac("s_time"), "r_util": frac("r_time"), "s_wait_frac": frac("s_wait"),
             "r_wait_frac": frac("r_wait")}
+
+
+# ---- live traces (python_backend/metrics.py)
+
+PARTS = ("s_time", "r_time", "s_wait", "r_wait")
+
+
+class TraceCursor:
+    """Hands out each record of a live trace once. `records` is what engine.trace returns: its
+    newest records, oldest first, numbered by "step". A trace whose newest step is older than
+    the last one handed out is a new trace (a new engine) and is read from its start."""
+
+    def __init__(self) -> None:
+        self.last_step = -1
+
+    def take(self, records: Sequence[dict]) -> list[dict]:
+        if records and records[-1]["step"] < self.last_step:
+            self.last_step = -1
+        new = []
+        for rec in reversed(records):
+            if rec["step"] <= self.last_step:
+                break
+            new.append(rec)
+        new.reverse()
+        if new:
+            self.last_step = new[-1]["step"]
+        return new
+
+
+def step_totals(records: Sequence[dict]) -> dict:
+    """For metrics: "steps"; "step_time" and each of PARTS summed (a part that is None in a
+    record, not measurable in that step, adds nothing); "step_time_mean", "_p50", "_p99",
+    "_max"; and the newest record's "batch_size" and "context_tokens". Empty records: {}."""
+    if not records:
+        return {}
+    times = [r["step_time"] for r in records]
+    out = {"steps": len(records), "step_time": sum(times),
+           **{k: sum(r.get(k) or 0.0 for r in records) for k in PARTS},
+           "step_time_mean": statistics.fmean(times), "step_time_p50": _quantile(times, 0.5),
+           "step_time_p99": _quantile(times, 0.99), "step_time_max": max(times),
+           "batch_size": records[-1]["batch_size"], "context_tokens": records[-1]["context_tokens"]}
+    return out

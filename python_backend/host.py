@@ -249,9 +249,19 @@ class EngineHost:
         if self.metrics is None:
             return
         try:
-            self.metrics.flush(self.engine.stats())
+            self.metrics.flush(self.engine.stats(), self._engine_trace())
         except Exception as e:
             self.transport.log("warn", f"fastdecode: metrics update failed: {e}")
+
+    def _engine_trace(self) -> list[dict] | None:
+        """engine.trace (its newest per-step records, a copy), None for an engine without one. The
+        copy is taken while the engine loop appends; should that race raise, the steps are not
+        lost: the next push takes them (Metrics hands each step out once, by step number)."""
+        try:
+            trace = getattr(self.engine, "trace", None)
+        except RuntimeError:                          # deque mutated during the copy
+            return None
+        return trace if isinstance(trace, list) else None
 
     def _send_error(self, sender, error: ErrorInfo) -> None:
         try:

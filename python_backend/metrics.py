@@ -13,14 +13,45 @@ pb_utils.MetricFamily in Triton, a fake in the tests.
     fastdecode_requests_running                 gauge
     fastdecode_requests_waiting                 gauge
     fastdecode_kv_tokens{rworker}               gauge (KV tokens held by each R-worker; "local" in-process)
+
+From the engine's per-step trace (engine.trace; fastdecode/trace.py), each step counted once:
+    fastdecode_steps_total                      counter (engine steps)
+    fastdecode_step_seconds_total               counter (time in steps)
+    fastdecode_s_part_seconds_total             counter (S-Part: the model's own work in steps)
+    fastdecode_r_part_seconds_total             counter (R-Part: attention calls in flight)
+    fastdecode_s_wait_seconds_total             counter (S-Part blocked, waiting for the R-Part)
+    fastdecode_r_wait_seconds_total             counter (R-Part idle, waiting for the S-Part)
+    fastdecode_step_time_seconds{stat}          gauge (mean, p50, p99, max over the steps since the
+                                                previous push; unchanged while no step runs)
+    fastdecode_batch_size                       gauge (sequences in the newest step; 0 when idle)
+    fastdecode_context_tokens                   gauge (context tokens in flight after the newest step)
+and, with scheduler=sls, from engine.stats()["scheduler"]:
+    fastdecode_sls_w_lim                        gauge (the W_lim in use: sls_w_lim or the derived one)
+    fastdecode_sls_w_in_flight                  gauge (the context load SLS counts in flight now)
+
+Rates are the counters': rate(fastdecode_s_wait_seconds_total) / rate(fastdecode_step_seconds_total)
+is the fraction of step time the S-Part waits for attention. A step-time histogram would cost one
+IPC round trip to Triton per step (pb_utils observes one value per call), hence the counters and
+per-push statistics. The engine keeps its newest 4096 steps: a push sees all of them unless
+more than that many steps ran since the previous push.
 """
 from __future__ import annotations
 
 from typing import Protocol
 
+from fastdecode.trace import PARTS, TraceCursor, step_totals
+
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+STEP_STATS = ("mean", "p50", "p99", "max")
+PART_COUNTERS = {
+    "s_time": ("fastdecode_s_part_seconds_total", "S-Part (model) time in engine steps"),
+    "r_time": ("fastdecode_r_part_seconds_total", "R-Part (attention) time in flight in engine steps"),
+    "s_wait": ("fastdecode_s_wait_seconds_total", "Time the S-Part waited for the R-Part"),
+    "r_wait": ("fastdecode_r_wait_seconds_total", "Time the R-Part was idle, waiting for the S-Part"),
+}
+assert set(PART_COUNTERS) == set(PARTS)
 
 
 class MetricsSink(Protocol):
@@ -58,6 +89,17 @@ class Metrics:
         self.running = sink.gauge("fastdecode_requests_running", "Sequences decoding", self.labels)
         self.waiting = sink.gauge("fastdecode_requests_waiting", "Requests queued for admission", self.labels)
         self.kv = {}                                   # R-worker address -> gauge, made on first sight
+        self.steps = sink.counter("fastdecode_steps_total", "Engine steps", self.labels)
+        self.step_seconds = sink.counter("fastdecode_step_seconds_total", "Time in engine steps", self.labels)
+        self.parts = {k: sink.counter(name, desc, self.labels) for k, (name, desc) in PART_COUNTERS.items()}
+        self.step_time = {s: sink.gauge("fastdecode_step_time_seconds",
+                                        "Step time over the steps since the previous update",
+                                        {**self.labels, "stat": s}) for s in STEP_STATS}
+        self.batch_size = sink.gauge("fastdecode_batch_size", "Sequences in the newest engine step", self.labels)
+        self.context_tokens = sink.gauge("fastdecode_context_tokens",
+                                         "Context tokens of the sequences in flight", self.labels)
+        self.sls: dict | None = None                   # sls gauges, made on first sight of an sls scheduler
+        self.trace_cursor = TraceCursor()
         self._pending = self._empty()
 
     @staticmethod
@@ -79,7 +121,9 @@ class Metrics:
             self._pending["tpot"].append(decode_seconds / (num_output_tokens - 1))
 
     # ---- pushing
-    def flush(self, stats: dict | None = None) -> None:
+    def flush(self, stats: dict | None = None, trace: list[dict] | None = None) -> None:
+        """Push what was recorded, the gauges of engine.stats() (`stats`) and the steps of
+        engine.trace (`trace`, the engine's newest records) not pushed before."""
         p, self._pending = self._pending, self._empty()
         if p["prompt"]:
             self.prompt_tokens.increment(p["prompt"])
@@ -99,3 +143,34 @@ class Metrics:
                     self.kv[address] = self.sink.gauge("fastdecode_kv_tokens", "KV-cache tokens held, per R-worker",
                                                        {**self.labels, "rworker": address})
                 self.kv[address].set(float(n))
+        if trace is not None:
+            self._flush_steps(step_totals(self.trace_cursor.take(trace)), stats)
+        if stats is not None:
+            self._flush_scheduler(stats.get("scheduler") or {})
+
+    def _flush_steps(self, t: dict, stats: dict | None) -> None:
+        if t:
+            self.steps.increment(t["steps"])
+            self.step_seconds.increment(t["step_time"])
+            for key, counter in self.parts.items():
+                if t[key] > 0:
+                    counter.increment(t[key])
+            for stat, gauge in self.step_time.items():
+                gauge.set(float(t[f"step_time_{stat}"]))
+            self.batch_size.set(float(t["batch_size"]))
+            self.context_tokens.set(float(t["context_tokens"]))
+        elif stats is not None and not stats.get("running"):
+            self.batch_size.set(0.0)                   # idle: no step, nothing in flight
+            self.context_tokens.set(0.0)
+
+    def _flush_scheduler(self, sched: dict) -> None:
+        if sched.get("policy") != "sls":
+            return
+        if self.sls is None:
+            self.sls = {"w_lim": self.sink.gauge("fastdecode_sls_w_lim", "SLS bound W_lim on the context in flight",
+                                                 self.labels),
+                        "w_in_flight": self.sink.gauge("fastdecode_sls_w_in_flight",
+                                                       "Context load SLS counts in flight", self.labels)}
+        for key, gauge in self.sls.items():
+            if isinstance(sched.get(key), (int, float)):
+                gauge.set(float(sched[key]))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -275,14 +276,78 @@ def test_build_configs_resolves_paths_and_rejects_unknown(tmp_path):
         build_configs({"cancel_poll_ms": "-1"})
 
 
-def test_plan_values_sit_under_explicit_parameters(tmp_path):
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"config": {"max_running": 512, "scheduler": "sls", "sls_f": 4}, "notes": "x"}))
-    engine, _ = build_configs({"plan": str(plan), "sls_f": "16"})
-    assert (engine.max_running, engine.scheduler, engine.sls_f) == (512, "sls", 16)
-    plan.write_text("not json")
-    with pytest.raises(ValueError, match="plan"):
-        build_configs({"plan": str(plan)})
+def write_real_plan(tmp_path, seq_len=512) -> tuple[Path, dict]:
+    """A plan file written by the real `plan` command (fastdecode.perfmodel.main) from a small
+    linear perf model (T(B) = 2 ms + 10 us * B, as tests/test_perfmodel.py)."""
+    from fastdecode.perfmodel import Curve, PerfModel, main
+
+    xs = (1, 16, 64, 256, 1024)
+    pm = PerfModel(8, Curve.of({x: 2e-3 + 1e-5 * x for x in xs}), Curve.of({x: 1e-3 + 1e-6 * x for x in xs}),
+                   5e-8, 1e-4, {"device": "synthetic", "shape": {"num_kv_heads": 2, "head_dim": 16}})
+    pm.save(tmp_path / "perf.json")
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(model_dir), "--perf", str(tmp_path / "perf.json"),
+                 "--seq-len", str(seq_len), "--out", str(out)]) == 0
+    return out, json.loads(out.read_text())
+
+
+def test_plan_file_from_the_plan_command_configures_the_engine(tmp_path):
+    path, doc = write_real_plan(tmp_path)
+    engine, _ = build_configs({"plan": str(path)})
+    p = doc["plan"]
+    assert (engine.scheduler, engine.max_running, engine.num_minibatches) == ("sls", p["max_running"],
+                                                                                p["num_minibatches"])
+    assert (engine.sls_f, engine.sls_w_lim, engine.sls_target_len) == (p["sls_f"], p["sls_w_lim"], 512)
+    # config.pbtxt's own values sit above the plan's
+    engine, _ = build_configs({"plan": str(path), "sls_f": "16", "scheduler": "fcfs"})
+    assert (engine.sls_f, engine.scheduler, engine.max_running) == (16, "fcfs", p["max_running"])
+    # relative paths resolve against the checkout, as `make serve SERVE_ARGS="--param plan=..."` passes them
+    rel = path.relative_to(tmp_path)
+    assert build_configs({"plan": str(rel)}, root=tmp_path)[0].sls_w_lim == p["sls_w_lim"]
+
+
+def test_checked_in_plan_file_is_read():
+    path = REPO_ROOT / "bench" / "results" / "plan.json"
+    if not path.exists():
+        pytest.skip("no bench/results/plan.json (make plan writes it)")
+    engine, _ = build_configs({"plan": "bench/results/plan.json"})
+    assert engine.scheduler == "sls"
+    assert engine.sls_w_lim == json.loads(path.read_text())["settings"]["sls_w_lim"]
+
+
+@pytest.mark.parametrize("doc, message", [
+    ("not json", "cannot read a JSON object"),
+    ("[1, 2]", "expected a JSON object"),
+    ({"config": {"max_running": 512, "scheduler": "sls"}}, 'no "settings"'),      # not what plan writes
+    ({"settings": {}, "plan": {}}, 'no "settings"'),
+    ({"settings": [["max_running", 4]]}, 'no "settings"'),
+    ({"settings": {"max_running": 8, "batch_per_minibatch": 4}}, r"unknown setting\(s\) \['batch_per_minibatch'\]"),
+    ({"settings": {"max_running": "many"}}, 'max_running="many" is not a valid int'),
+    ({"settings": {"max_running": 8.5}}, "max_running=8.5 is not a valid int"),
+    ({"settings": {"max_running": True}}, "max_running=true is not a valid int"),
+    ({"settings": {"scheduler": 2}}, "scheduler=2 is not a valid str"),
+    ({"settings": {"rworkers": "a:1"}}, "rworkers=\"a:1\" is not a valid tuple"),
+    ({"settings": {"rworker_timeout_s": None}}, "rworker_timeout_s=null is not a valid float"),
+    ({"settings": {"scheduler": "lifo"}}, "its settings \\(scheduler\\) are not valid here: .*scheduler must be"),
+    ({"settings": {"sls_f": 0, "max_running": 4}}, "are not valid here: .*sls_f must be >= 1"),
+])
+def test_bad_plan_files_are_rejected_clearly(tmp_path, doc, message):
+    path = tmp_path / "plan.json"
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    with pytest.raises(ValueError, match=f"plan {re.escape(str(path))}: .*{message}"):
+        build_configs({"plan": str(path)})
+
+
+def test_plan_is_not_blamed_for_a_bad_explicit_parameter(tmp_path):
+    path, _ = write_real_plan(tmp_path)
+    with pytest.raises(ValueError, match="kv_format") as e:
+        build_configs({"plan": str(path), "kv_format": "fp3"})
+    assert "plan" not in str(e.value)
+    with pytest.raises(ValueError, match="plan .*missing.json: cannot read"):
+        build_configs({"plan": str(tmp_path / "missing.json")})
 
 
 # ---- metrics
@@ -351,6 +416,91 @@ def test_kv_tokens_by_worker_shapes():
     assert kv_tokens_by_worker({"kv": {"kv_tokens": 7}}) == {"local": 7}
     assert kv_tokens_by_worker({"kv": {"workers": [{"address": "a", "kv_tokens": 1}]}}) == {"a": 1}
     assert kv_tokens_by_worker({}) == {}
+
+
+def step_record(step, step_time, batch_size=2, context_tokens=10, s_time=0.0, r_time=0.0, s_wait=0.0, r_wait=0.0):
+    return {"step": step, "time": 1000.0 + step, "batch_size": batch_size, "num_prefill": 0,
+            "context_tokens": context_tokens, "s_time": s_time, "r_time": r_time, "s_wait": s_wait,
+            "r_wait": r_wait, "step_time": step_time}
+
+
+def test_trace_feeds_step_metrics_once_per_step():
+    sink = FakeSink()
+    m = Metrics(sink, {"model": "m"})
+    trace = [step_record(0, 0.010, 1, 5, s_time=0.006, r_time=0.003, s_wait=0.002, r_wait=0.007),
+             step_record(1, 0.020, 2, 12, s_time=0.012, r_time=0.010, s_wait=0.004, r_wait=None),   # not measurable
+             step_record(2, 0.030, 2, 14, s_time=0.020, r_time=0.015, s_wait=0.006, r_wait=0.015)]
+    m.flush({"running": 2, "waiting": 0, "scheduler": {}}, trace)
+    value = lambda name, **labels: sink.get(name, **labels).value   # noqa: E731
+    assert value("fastdecode_steps_total") == 3
+    assert value("fastdecode_step_seconds_total") == pytest.approx(0.060)
+    assert value("fastdecode_s_part_seconds_total") == pytest.approx(0.038)
+    assert value("fastdecode_r_part_seconds_total") == pytest.approx(0.028)
+    assert value("fastdecode_s_wait_seconds_total") == pytest.approx(0.012)
+    assert value("fastdecode_r_wait_seconds_total") == pytest.approx(0.022)
+    stats = {s: value("fastdecode_step_time_seconds", stat=s) for s in ("mean", "p50", "p99", "max")}
+    assert stats == pytest.approx({"mean": 0.020, "p50": 0.020, "p99": 0.030, "max": 0.030})
+    assert (value("fastdecode_batch_size"), value("fastdecode_context_tokens")) == (2, 14)
+    # the engine's trace is its newest records: the next push counts only the steps it had not seen,
+    # also when older ones have left the window
+    trace = trace[2:] + [step_record(3, 0.050, 1, 7, s_time=0.04)]
+    m.flush({"running": 1}, trace)
+    assert value("fastdecode_steps_total") == 4
+    assert value("fastdecode_step_seconds_total") == pytest.approx(0.110)
+    assert value("fastdecode_s_part_seconds_total") == pytest.approx(0.078)
+    assert value("fastdecode_step_time_seconds", stat="mean") == pytest.approx(0.050)   # this push's steps
+    assert (value("fastdecode_batch_size"), value("fastdecode_context_tokens")) == (1, 7)
+    m.flush({"running": 1}, trace)                     # no step since: a stall, not idle
+    assert value("fastdecode_steps_total") == 4 and value("fastdecode_batch_size") == 1
+    m.flush({"running": 0}, trace)                     # idle
+    assert (value("fastdecode_batch_size"), value("fastdecode_context_tokens")) == (0, 0)
+    assert value("fastdecode_step_time_seconds", stat="max") == pytest.approx(0.050)
+    assert value("fastdecode_steps_total") == 4
+    assert not [name for name, _ in sink.metrics if name.startswith("fastdecode_sls")]    # fcfs: no SLS gauges
+    m.flush({"running": 0})                            # an engine without a trace: step metrics untouched
+    assert value("fastdecode_steps_total") == 4
+
+
+def test_sls_scheduler_stats_feed_w_lim_gauges():
+    sink = FakeSink()
+    m = Metrics(sink, {"model": "m"})
+    sls = {"policy": "sls", "f": 8, "w_lim": 300, "target_len": 40, "w_in_flight": 120, "predicted_peak": 200}
+    m.flush({"running": 3, "scheduler": sls}, [])
+    assert sink.get("fastdecode_sls_w_lim").value == 300 and sink.get("fastdecode_sls_w_in_flight").value == 120
+    m.flush({"running": 0, "scheduler": {**sls, "w_lim": 340, "w_in_flight": 0}}, [])   # derived W_lim moves
+    assert sink.get("fastdecode_sls_w_lim").value == 340 and sink.get("fastdecode_sls_w_in_flight").value == 0
+
+
+def test_real_engine_trace_reaches_the_metrics(tiny_model_dir, one_torch_thread):
+    """The engine's own trace and stats (not a fake's) through the host into the metrics."""
+    from fastdecode.engine import Engine
+
+    w_lim = 120
+    engine = Engine(EngineConfig(model=tiny_model_dir, attention="torch", scheduler="sls", max_running=8, sls_f=2,
+                                 sls_w_lim=w_lim))
+    t, sink = FakeTransport(), FakeSink()
+    h = EngineHost(engine, t, Metrics(sink, {"model": "m"}), cancel_poll_s=0.01, metrics_interval_s=0.01)
+    engine.start()
+    try:
+        for i in range(4):
+            h.submit(i, inputs(text_input=f"prompt {i}", stream=True,
+                               sampling_parameters='{"max_tokens": 12, "temperature": 0, "ignore_eos": true}'))
+        for i in range(4):
+            assert t.wait_final(i, timeout=60)[-1][1] is None
+        deadline = time.monotonic() + 5
+        while sink.get("fastdecode_steps_total").value < engine.stats()["steps"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        trace = engine.trace
+        assert sink.get("fastdecode_steps_total").value == engine.stats()["steps"] == len(trace)
+        assert sink.get("fastdecode_step_seconds_total").value == pytest.approx(sum(r["step_time"] for r in trace))
+        assert sink.get("fastdecode_s_part_seconds_total").value == pytest.approx(sum(r["s_time"] for r in trace))
+        assert 0 < sink.get("fastdecode_s_part_seconds_total").value <= sink.get("fastdecode_step_seconds_total").value
+        assert sink.get("fastdecode_r_part_seconds_total").value > 0
+        assert sink.get("fastdecode_sls_w_lim").value == w_lim
+        time.sleep(0.05)
+        assert sink.get("fastdecode_batch_size").value == 0 and sink.get("fastdecode_context_tokens").value == 0
+    finally:
+        h.shutdown()
 
 
 # ---- the host

@@ -1,6 +1,7 @@
 """A real tritonserver on free ports with a tiny model and two local R-worker processes.
 
-One server for the module (start ~10 s); the crash drill runs last and reloads the model.
+One server for the module (start ~10 s); the tests that reload the model (crash drill, unload,
+scheduler=sls) run last.
 Until the C++ kernel is built (R-workers need fastdecode.kernels) the engine uses the in-process
 torch attention backend instead of R-workers, and KV is read from the model's metrics.
 """
@@ -126,6 +127,17 @@ def metric_values(server, name):
     return {labels: float(v) for labels, v in re.findall(rf"^{name}\{{(.*?)\}} (\S+)$", body, re.M)}
 
 
+def total(server, name) -> float:
+    return sum(metric_values(server, name).values())
+
+
+def by_label(values: dict, label: str) -> dict:
+    return {re.search(rf'{label}="([^"]+)"', k).group(1): v for k, v in values.items()}
+
+
+STEP_PARTS = ("s_part", "r_part", "s_wait", "r_wait")
+
+
 # ---- happy paths
 
 PROMPT = "Hello, world! Привет, мир! 🙂"
@@ -225,11 +237,28 @@ def test_cancelling_a_stream_frees_rworker_kv(server, fleet):
 def test_metrics_endpoint_shows_custom_metrics(server, fleet):
     time.sleep(0.3)   # let earlier tests' counts reach the endpoint (metrics interval 100 ms)
     before = sum(metric_values(server, "fastdecode_generation_tokens_total").values())
+    steps_before = total(server, "fastdecode_steps_total")
+    step_s_before = total(server, "fastdecode_step_seconds_total")
+    parts_before = {p: total(server, f"fastdecode_{p}_seconds_total") for p in STEP_PARTS}
     for _ in range(2):
         generate(server, PROMPT)
     time.sleep(0.3)
     generated = sum(metric_values(server, "fastdecode_generation_tokens_total").values())
     assert generated - before == 2 * GREEDY["max_tokens"]
+    # the per-step trace, summarised: two requests one after the other, one token per step each
+    assert total(server, "fastdecode_steps_total") - steps_before == 2 * GREEDY["max_tokens"]
+    step_s = total(server, "fastdecode_step_seconds_total") - step_s_before
+    parts = {p: total(server, f"fastdecode_{p}_seconds_total") - parts_before[p] for p in STEP_PARTS}
+    assert 0 < step_s < 60
+    assert 0 < parts["s_part"] <= step_s and 0 < parts["r_part"] <= step_s * 1.001
+    assert 0 <= parts["s_wait"] <= step_s and 0 <= parts["r_wait"] <= step_s
+    step_time = by_label(metric_values(server, "fastdecode_step_time_seconds"), "stat")
+    assert set(step_time) == {"mean", "p50", "p99", "max"}
+    assert 0 < step_time["p50"] <= step_time["p99"] <= step_time["max"] < 10
+    assert step_time["mean"] <= step_time["max"]
+    assert list(metric_values(server, "fastdecode_batch_size").values()) == [0.0]          # idle now
+    assert list(metric_values(server, "fastdecode_context_tokens").values()) == [0.0]
+    assert metric_values(server, "fastdecode_sls_w_lim") == {}                             # scheduler fcfs
     assert sum(metric_values(server, "fastdecode_prompt_tokens_total").values()) > 0
     ttft = metric_values(server, "fastdecode_time_to_first_token_seconds_count")
     ttft_sum = metric_values(server, "fastdecode_time_to_first_token_seconds_sum")
@@ -413,3 +442,73 @@ def test_unload_after_every_kind_of_request_is_prompt(server):
     c.load_model(MODEL)
     assert c.is_model_ready(MODEL)
     assert len(stub_processes(server)) == 1
+
+
+# ---- scheduler=sls (last: reloads the model with an SLS config, then with its own again)
+
+def http_json(server, path, body=None, timeout=120):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://{server.http_url}{path}", data=data, headers={"Content-Type": "application/json"},
+                                 method="GET" if data is None else "POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        text = r.read().decode()
+    return json.loads(text) if text else None
+
+
+def load_with_config(server, config: dict) -> None:
+    http_json(server, f"/v2/repository/models/{MODEL}/load", {"parameters": {"config": json.dumps(config)}})
+
+
+def test_sls_scheduler_streams_equal_fcfs_and_report_w_lim(server):
+    """The model loaded with parameter scheduler=sls (a W_lim that fits about two of these requests)
+    and a trace file: concurrent greedy streams give fcfs's text, SLS keeps its bound, and the step
+    metrics add up to what the engine's trace says."""
+    from fastdecode.trace import load_trace
+
+    prompts = [f"SLS {i}: once upon a time {'there was ' * i}" for i in range(6)]
+    fcfs, max_len = [], 0
+    for p in prompts:
+        responses = generate(server, p, return_num_input_tokens=True)
+        fcfs.append(text(responses))
+        max_len = max(max_len, responses[0]["num_input_tokens"] + GREEDY["max_tokens"])
+    w_lim = 2 * max_len + max_len // 2
+    trace_path = server.run_dir / "sls-trace.jsonl"
+    original = http_json(server, f"/v2/models/{MODEL}/config")
+    sls = json.loads(json.dumps(original))
+    sls["parameters"].update({k: {"string_value": v} for k, v in {
+        "scheduler": "sls", "sls_f": "2", "sls_w_lim": str(w_lim), "trace_path": str(trace_path)}.items()})
+    load_with_config(server, sls)
+    try:
+        assert http_json(server, f"/v2/models/{MODEL}/config")["parameters"]["scheduler"]["string_value"] == "sls"
+        steps_before = total(server, "fastdecode_steps_total")
+        step_s_before = total(server, "fastdecode_step_seconds_total")
+        results: dict[int, str] = {}
+        errors = []
+
+        def run(i):
+            try:
+                results[i] = text(generate(server, prompts[i]))
+            except Exception as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors
+        assert [results[i] for i in range(len(prompts))] == fcfs
+        time.sleep(0.3)   # the metrics interval
+        trace = load_trace(trace_path)
+        assert max(r["context_tokens"] for r in trace) <= w_lim
+        assert 1 < max(r["batch_size"] for r in trace) < len(prompts)     # W_lim held some back
+        assert total(server, "fastdecode_steps_total") - steps_before == len(trace)
+        assert total(server, "fastdecode_step_seconds_total") - step_s_before == \
+            pytest.approx(sum(r["step_time"] for r in trace), rel=1e-3)
+        assert list(metric_values(server, "fastdecode_sls_w_lim").values()) == [w_lim]
+        assert list(metric_values(server, "fastdecode_sls_w_in_flight").values()) == [0.0]     # all done
+        idle = list(metric_values(server, "fastdecode_batch_size").values())
+        assert idle and all(v == 0 for v in idle)
+    finally:
+        load_with_config(server, original)
+    assert http_json(server, f"/v2/models/{MODEL}/config")["parameters"]["scheduler"]["string_value"] == ""
