@@ -124,6 +124,33 @@ def test_context_in_flight_never_exceeds_w_lim(spec, early, f, slack, max_runnin
 
 
 @FAST
+@given(spec=traffic, early=st.booleans(), f=st.integers(1, 12), max_running=st.integers(1, 64))
+def test_derived_w_lim_bounds_every_shared_admission(spec, early, f, max_running):
+    """sls_w_lim = 0 (the default): W_lim is derived from the traffic seen so far; every
+    admission beside other work keeps the predicted peak under the W_lim of that moment,
+    and the context in flight stays under the largest W_lim in force (a request longer
+    than W_lim runs only alone, on an idle system)."""
+    reqs = make_reqs(spec, early)
+    sched = SLSScheduler(max_running, 10**6, f)
+    limits = []
+
+    def check(s, t, cands, num_running, n):
+        if not n:
+            return
+        w_lim = s.w_lim(cands)
+        limits.append(w_lim)
+        alone = num_running == 0 and len(s.plan) == 0 and n == 1 and cands[0].max_len > w_lim
+        if alone:
+            limits.append(cands[0].max_len)
+        else:
+            assert s.plan.peak(t, cands[:n]) <= w_lim
+
+    run = simulate(sched, reqs, 20_000, check)
+    assert all(r.finished >= 0 for r in reqs)
+    assert max(run.loads) <= max(limits)
+
+
+@FAST
 @given(spec=traffic, early=st.booleans(), f=st.integers(1, 12), max_running=st.integers(1, 16))
 def test_no_request_starves(spec, early, f, max_running):
     """Tight W_lim (the longest request): the head of the queue waits at most the
@@ -158,6 +185,24 @@ def test_wait_at_most_f_while_under_w_lim(spec, f):
     for a, b in zip(run.admit_steps, run.admit_steps[1:]):
         idle_before_b = all(r.finished < b for r in reqs if 0 <= r.admitted < b)
         assert b - a >= f or idle_before_b
+
+
+@FAST
+@given(spec=traffic, f=st.integers(1, 12), m=st.integers(1, 6))
+def test_wait_bounded_by_micro_batches_ahead(spec, f, m):
+    """With the micro-batch cap on (M = m) and W_lim not binding, a request with q requests
+    waiting ahead of it when it arrives is admitted within ceil((q + 1) / M) admission
+    slots, F apart: its wait is below F * ceil((q + 1) / M) steps. With q < M (arrivals at
+    the rate the schedule admits) that is the paper's "at most F steps"."""
+    reqs = make_reqs(spec, early=True)
+    sched = SLSScheduler(10**6, 10**6, f, w_lim=10**9, micro_batch=m)
+    simulate(sched, reqs, 20_000)
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival)
+    for pos, i in enumerate(order):
+        r = reqs[i]
+        ahead = sum(1 for j in order[:pos] if reqs[j].admitted >= r.arrival)
+        assert r.admitted >= r.arrival
+        assert r.admitted - r.arrival <= f * -(-(ahead + 1) // m) - 1, (r, ahead)
 
 
 @pytest.mark.parametrize("B,S,F", [(8, 16, 4), (64, 64, 8), (32, 128, 16), (12, 12, 3), (6, 9, 3)])
