@@ -7,8 +7,8 @@ Workload: `--streams` greedy requests with distinct prompts, each generating exa
 `--max-tokens` tokens (ignore_eos), all submitted at once. Tokens/s = generated tokens / wall time
 from the first submission to the last final response.
   engine:  Engine(config).start(); add_request(..., on_output=...) in this process
-  triton:  tritonserver with the same EngineConfig; one tritonclient gRPC stream carrying all the
-           requests (stream=True), text deltas decoded in this process
+  triton:  tritonserver with the same EngineConfig; one tritonclient gRPC stream per request
+           (stream=True), all open at once on one tritonclient.grpc.aio channel
 The two run one after the other (never at once: they would share the cores), `--repeats` times
 each, alternating; the JSON holds the medians and triton_over_engine_throughput (target >= 0.9).
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import statistics
 import sys
 import tempfile
@@ -97,46 +96,51 @@ def run_engine(config: EngineConfig, texts: list[str], max_tokens: int) -> dict:
 
 
 def run_triton(server, texts: list[str], max_tokens: int) -> dict:
-    import tritonclient.grpc as grpcclient
+    """One gRPC stream per request, all open at once (as `len(texts)` users would be), on one
+    tritonclient.grpc.aio channel; each stream stays open until its final response."""
+    import asyncio
+
+    import tritonclient.grpc.aio as aioclient
 
     from fastdecode import client
 
-    responses: queue.Queue = queue.Queue()
-    c = grpcclient.InferenceServerClient(server.grpc_url)
-    try:
-        c.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
-        c.async_stream_infer("fastdecode", client.build_inputs("warm up", sampling(4), extra={
-            "return_num_output_tokens": True}), request_id="warm")
-        while True:
-            result, error, _ = responses.get(timeout=300)
+    async def one(c, text: str, request_id: str, t0: float, state: dict) -> None:
+        done = asyncio.Event()
+
+        async def requests():
+            yield {"model_name": "fastdecode", "request_id": request_id, "inputs": client.build_inputs(
+                text, sampling(max_tokens if request_id != "warm" else 4), extra={"return_num_output_tokens": True})}
+            await done.wait()                       # half-closing early would end the stream
+
+        async for result, error in c.stream_infer(requests(), stream_timeout=1800):
             if error is not None:
-                raise RuntimeError(f"warm-up failed: {error}")
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
-        pids = [server.proc.pid]
-        cpu0 = cpu_seconds(pids)
-        t0 = time.perf_counter()
-        for i, text in enumerate(texts):
-            c.async_stream_infer("fastdecode", client.build_inputs(text, sampling(max_tokens), extra={
-                "return_num_output_tokens": True}), request_id=f"b{i}")
-        tokens, finished, first = 0, 0, {}
-        while finished < len(texts):
-            result, error, t = responses.get(timeout=1800)
-            if error is not None:
-                raise RuntimeError(f"request failed: {error}")
-            r = result.get_response()
+                done.set()
+                raise RuntimeError(f"request {request_id} failed: {error}")
             n = result.as_numpy("num_output_tokens")
-            tokens += int(n[0]) if n is not None else 0
-            first.setdefault(r.id, t - t0)
-            if r.parameters["triton_final_response"].bool_param:
-                finished += 1
-        wall = time.perf_counter() - t0
-        cpu = cpu_seconds(pids) - cpu0
-    finally:
-        c.stop_stream()
-        c.close()
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "cpu_s": cpu,
-            "tokens_per_cpu_s": tokens / cpu, "ttft_median_s": statistics.median(first.values())}
+            state["tokens"] += int(n[0]) if n is not None else 0
+            state["first"].setdefault(request_id, time.perf_counter() - t0)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                done.set()
+                break
+
+    async def run() -> dict:
+        c = aioclient.InferenceServerClient(server.grpc_url)
+        try:
+            await one(c, "warm up", "warm", time.perf_counter(), {"tokens": 0, "first": {}})
+            pids = [server.proc.pid]
+            state = {"tokens": 0, "first": {}}
+            cpu0 = cpu_seconds(pids)
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(c, text, f"b{i}", t0, state) for i, text in enumerate(texts)))
+            wall = time.perf_counter() - t0
+            cpu = cpu_seconds(pids) - cpu0
+        finally:
+            await c.close()
+        tokens = state["tokens"]
+        return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "cpu_s": cpu,
+                "tokens_per_cpu_s": tokens / cpu, "ttft_median_s": statistics.median(state["first"].values())}
+
+    return asyncio.run(run())
 
 
 def main(argv=None) -> int:
