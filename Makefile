@@ -9,6 +9,7 @@ RUN_DIR ?= run
 RWORKERS ?= 2
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
+PLAN ?=
 
 TRITON_DIR = $(VENV)/lib/python3.11/site-packages/pytriton/tritonserver
 STUB = $(TRITON_DIR)/backends/python/triton_python_backend_stub
@@ -57,7 +58,8 @@ test-slow: setup
 
 # Main job: local R-workers + tritonserver with the default model, then a streamed completion.
 serve: setup
-	$(PY) -m fastdecode.serve start --model $(MODEL_DIR) --rworkers $(RWORKERS) --run-dir $(RUN_DIR) $(SERVE_ARGS)
+	$(PY) -m fastdecode.serve start --model $(MODEL_DIR) --rworkers $(RWORKERS) --run-dir $(RUN_DIR) \
+		$(if $(PLAN),--param plan=$(PLAN)) $(SERVE_ARGS)
 
 stop:
 	-$(PY) -m fastdecode.serve stop --run-dir $(RUN_DIR)
@@ -70,7 +72,7 @@ rworkers-stop:
 	-$(PY) -m rworker.fleet stop --run-dir $(RUN_DIR)/rworkers $(if $(INVENTORY),--inventory $(INVENTORY))
 
 plan: setup
-	$(PY) -m fastdecode plan --model $(MODEL_DIR)
+	$(PY) -m fastdecode plan --model $(MODEL_DIR) $(if $(PLAN),--out $(PLAN))
 
 loadtest: setup
 	$(PY) -m locust -f loadtest/locustfile.py --headless -u 32 -r 8 -t 60s --host http://127.0.0.1:8000
