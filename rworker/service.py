@@ -214,7 +214,8 @@ class RWorkerService(pb_grpc.RWorkerServicer):
             total = sum(len(c.seqs) for c in self.connections.values())
             if total + len(ids) > self.max_sequences:
                 raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{total} sequences open; this R-worker takes at most {self.max_sequences}")
+                                f"{total} sequences open, {len(ids)} more asked; this R-worker takes at most "
+                                f"{self.max_sequences} (--max-sequences)")
             self.store.create(ids + conn.base)
             conn.seqs.update(m.seq_ids)
 

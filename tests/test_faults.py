@@ -66,22 +66,54 @@ def remote_config(tiny_model_dir, fleet, **kw) -> EngineConfig:
     return EngineConfig(model=tiny_model_dir, attention="remote", rworkers=fleet.addresses, **kw)
 
 
+def worker_kv(address: str) -> tuple[int, int]:
+    """(sequences, kv_tokens) that one R-worker holds, from its Stats."""
+    import grpc
+
+    from rworker.proto import rworker_pb2 as pb
+    from rworker.proto import rworker_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        st = pb_grpc.RWorkerStub(ch).Stats(pb.StatsRequest(), timeout=5)
+    return st.sequences, st.kv_tokens
+
+
+def settles(address: str, want: tuple[int, int], timeout: float = 5.0) -> bool:
+    """Closes travel on the stream without a reply: poll until the worker's Stats show `want`."""
+    deadline = time.monotonic() + timeout
+    while worker_kv(address) != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return worker_kv(address) == want
+
+
 def test_kill_one_of_two_mid_generation(tiny_model_dir, expected, tmp_path):
     with local_fleet(2, tmp_path) as fleet:
         run = Run(remote_config(tiny_model_dir, fleet))
         try:
             run.add(PROMPTS)
 
+            survivor = fleet.addresses[1]
+            checked = []
+
             def fault(n):
                 if n == 4:
                     workers = run.engine.backend.stats()["workers"]
                     assert all(w["sequences"] > 0 for w in workers)   # both held some sequences
                     fleet.kill(0)
+                elif n > 4 and run.engine.has_unfinished():
+                    # Rebuilt: the survivor holds every running sequence, with each one's KV (its
+                    # tokens but the last sampled one, which the next step feeds) and no more.
+                    running = list(run.engine._running)
+                    want = (len(running), sum(s.num_tokens - 1 for s in running))
+                    assert settles(survivor, want), (worker_kv(survivor), want)
+                    assert run.engine.backend.stats()["kv_tokens"] == want[1]
+                    checked.append(n)
             run.run(fault)
             assert run.finished == {str(i): ("length", None) for i in range(len(PROMPTS))}
             assert run.tokens == expected
             st = run.engine.backend.stats()
             assert st["lost_sequences"] > 0 and not st["workers"][0]["up"]
+            assert checked and settles(survivor, (0, 0))                # nothing leaked on the survivor
 
             # The worker returns on its address: it is reconnected and takes new sequences.
             fleet.restart(0)

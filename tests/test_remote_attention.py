@@ -293,3 +293,159 @@ def test_draining_worker_keeps_its_sequences_but_gets_no_new_ones(tmp_path):
             assert backend.stats()["workers"][0]["sequences"] == held    # old ones still served there
         finally:
             backend.shutdown()
+
+
+def worker_stats(address: str):
+    import grpc
+
+    from rworker.proto import rworker_pb2 as pb
+    from rworker.proto import rworker_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.RWorkerStub(ch).Stats(pb.StatsRequest(), timeout=5)
+
+
+def wait_for(predicate, timeout: float = 5.0) -> bool:
+    """Closes travel on the stream without a reply: poll the workers' Stats until they show."""
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return predicate()
+
+
+def prefill_all_layers(backend, spec, seq_ids, lens) -> None:
+    kv = torch.zeros(sum(lens), spec.num_kv_heads, spec.head_dim)
+    for layer in range(spec.num_layers):
+        backend.prefill(layer, seq_ids, lens, kv, kv)
+
+
+def test_new_sequences_go_to_the_least_kv_load(fleet):
+    """Placement counts KV tokens (a new, empty sequence as the mean length), not sequences."""
+    spec = KVSpec(2, 4, 2, 16)
+    addresses = fleet.addresses[:2]
+    backend = remote(spec, addresses)
+    try:
+        before = [worker_stats(a) for a in addresses]
+        backend.open([1, 2])
+        heavy, light = backend.placement[1].index, backend.placement[2].index
+        assert heavy != light
+        prefill_all_layers(backend, spec, [1, 2], [50, 5])
+        backend.open([3])                    # light holds 5 tokens, heavy 50
+        assert backend.placement[3].index == light
+        backend.open([4])                    # light: 5 + one empty sequence (the mean, 55 / 3) < 50
+        assert backend.placement[4].index == light     # though it holds more sequences
+        prefill_all_layers(backend, spec, [3, 4], [30, 30])
+        backend.open([5])                    # light: 65 tokens, heavy 50
+        assert backend.placement[5].index == heavy
+        st = backend.stats()["workers"]
+        assert [st[heavy]["sequences"], st[light]["sequences"]] == [2, 3]
+        assert [st[heavy]["kv_tokens"], st[light]["kv_tokens"]] == [50, 65]
+        after = [worker_stats(a) for a in addresses]     # the workers agree
+        assert after[heavy].sequences - before[heavy].sequences == 2
+        assert after[light].sequences - before[light].sequences == 3
+        assert after[heavy].kv_tokens - before[heavy].kv_tokens == 50
+        assert after[light].kv_tokens - before[light].kv_tokens == 65
+    finally:
+        backend.shutdown()
+
+
+def test_open_is_all_or_nothing_and_uses_groups_with_room(tmp_path):
+    """A worker at its --max-sequences refuses (RESOURCE_EXHAUSTED): its share of an open goes
+    to a worker with room; when none has room the open raises KVCapacityError and leaves
+    nothing open, on the workers or in the client, so the same ids can be opened later."""
+    spec = KVSpec(2, 4, 2, 16)
+    with local_fleet(1, tmp_path / "a", kv_capacity="8M", extra_args=("--max-sequences", "2")) as a, \
+            local_fleet(1, tmp_path / "b", kv_capacity="8M", extra_args=("--max-sequences", "6")) as b:
+        addresses = (a.addresses[0], b.addresses[0])
+        backend = remote(spec, addresses)
+
+        def on_workers():
+            return [worker_stats(x).sequences for x in addresses]
+
+        try:
+            backend.open([1, 2])                                  # one each
+            assert [backend.placement[s].index for s in (1, 2)] == [0, 1]
+            backend.open([3, 4, 5, 6])    # a refuses 3, 5 (one slot left): offered one, 5 goes to b
+            assert [backend.placement[s].index for s in (3, 4, 5, 6)] == [0, 1, 1, 1]
+            assert on_workers() == [2, 4]
+            backend.open([7])                                     # placed on a (full): goes to b
+            assert backend.placement[7].index == 1 and on_workers() == [2, 5]
+
+            # a: 2 x 8 tokens, b: 5 x 3 tokens: of [8, 9], b (one slot left) gets 8, a (full) 9;
+            # 9 retried on b is refused too: 8 must not stay open on b.
+            prefill_all_layers(backend, spec, [1, 3], [8, 8])
+            prefill_all_layers(backend, spec, [2, 4, 5, 6, 7], [3] * 5)
+            assert {g.index: ids for g, ids in backend._place([8, 9], backend.groups).items()} == {1: [8], 0: [9]}
+            st = backend.stats()
+            for _ in range(2):                                    # a retry gets the same answer
+                with pytest.raises(KVCapacityError, match="at most 6 [(]--max-sequences[)]"):
+                    backend.open([8, 9])
+                assert wait_for(lambda: on_workers() == [2, 5]), on_workers()
+                assert backend.stats()["sequences"] == st["sequences"] == 7
+                assert [w["sequences"] for w in backend.stats()["workers"]] == [2, 5]
+                assert 8 not in backend.placement and 9 not in backend.placement
+            with pytest.raises(KVCapacityError):
+                backend.open([10, 11, 12])
+            assert wait_for(lambda: on_workers() == [2, 5]), on_workers()
+
+            backend.close([1])            # a slot on each: a (lighter) refuses [8, 9], then takes one
+            backend.open([8, 9])
+            assert wait_for(lambda: on_workers() == [2, 6]), on_workers()
+            assert backend.stats()["sequences"] == 8
+            gen = torch.Generator().manual_seed(5)
+            backend.close([8, 9])          # the reopened ids work
+            assert run_both(spec, backend, TorchAttention(spec), [8, 9], [2, 3], steps=1, gen=gen) < 1e-5
+        finally:
+            backend.shutdown()
+
+
+def test_failed_open_leaves_lost_sequences_lost(tmp_path):
+    """A lost sequence whose re-open fails stays lost (SequencesLost), not unknown (KeyError)."""
+    spec = KVSpec(2, 4, 2, 16)
+    with local_fleet(1, tmp_path, kv_capacity="8M", extra_args=("--max-sequences", "1")) as f:
+        backend = remote(spec, f.addresses)
+        try:
+            backend.open([1])
+            with backend.lock:                                   # as _worker_down leaves it
+                backend.placement[2], backend.lost_reason[2] = None, "R-worker gone"
+            with pytest.raises(KVCapacityError):
+                backend.open([2])
+            with pytest.raises(SequencesLost, match="R-worker gone"):
+                backend.prefill(0, [2], [1], torch.zeros(1, 2, 16), torch.zeros(1, 2, 16))
+        finally:
+            backend.shutdown()
+
+
+def test_worker_is_up_only_once_configured(fleet, monkeypatch):
+    """A reconnecting worker takes no other call before its Configure is answered: one sent
+    ahead of Configure on the new stream was refused ("Configure must be the first call")."""
+    from fastdecode.attention import remote as remote_mod
+
+    spec = KVSpec(2, 4, 2, 16)
+    backend = remote(spec, fleet.addresses[:1])
+    try:
+        w = backend.workers[0]
+        w.fail(w.generation, "test: stream broken")
+        seen = []
+        send = remote_mod._Worker.send
+
+        def spy(self, request, *args, **kw):
+            if request.WhichOneof("op") == "configure":
+                seen.append(self.up)
+                # What another thread's open() would do now: it must not reach this stream.
+                assert isinstance(self.send(pb_open([1])).exception(timeout=0), remote_mod.WorkerLost)
+            return send(self, request, *args, **kw)
+
+        monkeypatch.setattr(remote_mod._Worker, "send", spy)
+        assert backend._try_connect(w)
+        assert seen == [False] and w.up
+        backend.open([1])
+        assert backend.stats()["sequences"] == 1
+    finally:
+        backend.shutdown()
+
+
+def pb_open(ids):
+    from rworker.proto import rworker_pb2 as pb
+
+    return pb.Request(open=pb.Open(seq_ids=ids))

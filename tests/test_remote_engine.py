@@ -4,6 +4,8 @@ mini-batch and with head sharding. The layouts 1/2/3 workers against transformer
 are in test_remote_engine_exact.py."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from fastdecode.config import EngineConfig
@@ -50,3 +52,92 @@ def test_remote_is_token_exact_with_local(fleet, tiny_model_dir, expected, worke
     config = EngineConfig(model=tiny_model_dir, attention="remote", rworkers=fleet.addresses[:workers],
                           head_shards=shards, num_minibatches=minibatches, max_running=5)
     assert generate(config) == expected
+
+
+def test_admission_waits_for_room_on_the_rworkers(tmp_path, tiny_model_dir, expected):
+    """R-workers at their --max-sequences refuse new sequences: the engine admits what fits and
+    the rest wait (no error, no dead engine, nothing left open), also while another client
+    holds every slot and this engine runs nothing."""
+    import grpc
+
+    from fastdecode.attention.remote import RemoteAttention
+    from rworker.proto import rworker_pb2 as pb
+    from rworker.proto import rworker_pb2_grpc as pb_grpc
+
+    def on_workers(addresses):
+        out = []
+        for a in addresses:
+            with grpc.insecure_channel(a) as ch:
+                out.append(pb_grpc.RWorkerStub(ch).Stats(pb.StatsRequest(), timeout=5).sequences)
+        return out
+
+    def settles_at(addresses, want) -> bool:     # closes travel on the stream, unanswered
+        deadline = time.monotonic() + 5
+        while on_workers(addresses) != want and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return on_workers(addresses) == want
+
+    with local_fleet(2, tmp_path, kv_capacity="16M", extra_args=("--max-sequences", "2")) as f:
+        config = EngineConfig(model=tiny_model_dir, attention="remote", rworkers=f.addresses, max_running=5)
+        engine = Engine(config)
+        tenant = RemoteAttention(engine.spec, config)      # another S-worker on the same R-workers
+        try:
+            tenant.open([1, 2, 3, 4])                       # every slot
+            params = SamplingParams.from_dict({"max_tokens": 10, "temperature": 0.0, "ignore_eos": True})
+            ids = [engine.add_request(p, params, request_id=str(i)) for i, p in enumerate(PROMPTS)]
+            for _ in range(3):
+                assert engine.step() == []                  # refused: they wait
+            assert engine.healthy and engine.stats()["waiting"] == len(PROMPTS)
+            assert settles_at(f.addresses, [2, 2])          # nothing of the refused opens is left
+            tenant.close([1, 2, 3, 4])
+            tokens: dict[str, list[int]] = {i: [] for i in ids}
+            reasons: dict[str, str] = {}
+            most = 0
+            while engine.has_unfinished():
+                for out in engine.step():
+                    tokens[out.request_id] += out.token_ids
+                    if out.finished:
+                        reasons[out.request_id] = out.finish_reason
+                most = max(most, engine.stats()["running"])
+                assert sum(on_workers(f.addresses)) <= 4
+            assert reasons == {i: "length" for i in ids}, reasons
+            assert tokens == expected
+            assert most == 4                                # 2 per worker: all there is
+            assert engine.healthy and engine.stats()["kv"]["sequences"] == 0
+            assert settles_at(f.addresses, [0, 0])
+        finally:
+            tenant.shutdown()
+            engine.stop()
+
+
+def test_a_failing_open_ends_those_requests_not_the_engine(fleet, tiny_model_dir, expected, monkeypatch):
+    """An unexpected error from the backend's open (a bug, say) ends the requests it was
+    opening, with the error; the engine stays healthy and serves the next ones."""
+    engine = Engine(EngineConfig(model=tiny_model_dir, attention="remote", rworkers=fleet.addresses[:2],
+                                 max_running=5))
+    try:
+        real_open = engine.backend.open
+        calls = []
+
+        def open_once_broken(ids):
+            calls.append(list(ids))
+            if len(calls) == 1:
+                real_open(ids[:1])            # half done, then fails: the engine must close it
+                raise ValueError("sequence(s) already open: [1]")
+            return real_open(ids)
+
+        monkeypatch.setattr(engine.backend, "open", open_once_broken)
+        params = SamplingParams.from_dict({"max_tokens": 10, "temperature": 0.0, "ignore_eos": True})
+        engine.add_request(PROMPTS[0], params, request_id="bad")
+        outs = engine.step()
+        assert [(o.request_id, o.finish_reason) for o in outs] == [("bad", "error")]
+        assert "ValueError" in outs[0].error and engine.healthy
+        assert engine.stats()["kv"]["sequences"] == 0
+        rid = engine.add_request(PROMPTS[1], params, request_id="1")
+        tokens = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.token_ids
+        assert engine.healthy and tokens == expected[rid]
+    finally:
+        engine.stop()

@@ -134,7 +134,10 @@ def test_bad_input_gets_status_and_others_keep_their_cache(worker):
     assert code(bad.call(open=pb.Open(seq_ids=[2]))) == C.ALREADY_EXISTS
     assert code(bad.call(open=pb.Open(seq_ids=[-1]))) == C.INVALID_ARGUMENT
     assert code(bad.call(open=pb.Open(seq_ids=[1 << 41]))) == C.INVALID_ARGUMENT
-    assert code(bad.call(open=pb.Open(seq_ids=range(100, 200)))) == C.RESOURCE_EXHAUSTED  # --max-sequences
+    kept = stats(worker)
+    r = bad.call(open=pb.Open(seq_ids=range(100, 200)))
+    assert code(r) == C.RESOURCE_EXHAUSTED and "--max-sequences" in r.message, r.message
+    assert stats(worker).sequences == kept.sequences                                   # none of them opened
     assert code(bad.call(close=pb.Close(seq_ids=range(70000)))) == C.INVALID_ARGUMENT     # ids per call
 
     q = rng.standard_normal((1, H, D)).astype(np.float32)
@@ -158,8 +161,12 @@ def test_bad_input_gets_status_and_others_keep_their_cache(worker):
         == C.INVALID_ARGUMENT                                                          # lens vs rows
     # Over capacity: 2 MiB hold ~8k tokens of this shape; nothing of the failed call is kept.
     big = np.zeros((20000, HKV, D), np.float16)
+    kept = stats(worker)
     r = bad.call(prefill=pb.Prefill(layer=0, seq_ids=[2], lens=[20000], k=tensor(big), v=tensor(big)))
     assert code(r) == C.RESOURCE_EXHAUSTED, r.message
+    after = stats(worker)
+    assert (after.sequences, after.kv_tokens, after.bytes_used) == (kept.sequences, kept.kv_tokens, kept.bytes_used)
+    assert kept.kv_tokens > 0 and kept.bytes_used > 0                                  # the others' KV is counted
     assert dec().code == 0                                                             # stream still works
 
     # The bystander's cache is intact and it keeps decoding correctly.

@@ -4,7 +4,10 @@ Workers form groups of `head_shards`; member j of a group holds kv heads
 shard j of every sequence placed on the group (query heads follow their kv
 heads). With head_shards=1 a group is one worker holding whole sequences.
 
-- open() places each sequence on the live group with the least KV load (tokens).
+- open() places each sequence on the live group with the least KV load (tokens), all or
+  nothing: ids a group refuses for capacity (its --max-sequences) go to groups with room
+  (the refusing one is offered fewer); when none has room, nothing stays open (here or on
+  a worker) and KVCapacityError is raised.
 - submit_decode() ships each worker the q, k, v rows of its sequences as one
   message on its long-lived stream and returns a Future at once; replies are
   written into one output tensor as they arrive, on the stream's reader thread.
@@ -105,7 +108,8 @@ class _Worker:
         self.credentials, self.metadata, self.on_down = credentials, metadata, on_down
         self.lock = threading.Lock()
         self.connect_lock = threading.Lock()
-        self.up = False
+        self.up = False                        # configured: takes calls
+        self.live = False                      # its stream is open (up, or Configure under way)
         self.draining = False
         self.reason = "not connected yet"
         self.generation = 0
@@ -146,32 +150,39 @@ class _Worker:
         with self.lock:
             self.generation += 1
             generation = self.generation
-            self.requests, self.call, self.up, self.draining = requests, call, True, stats.draining
+            self.requests, self.call, self.live, self.draining = requests, call, True, stats.draining
             self.capacity_bytes = stats.capacity_bytes
         threading.Thread(target=self._read, args=(call, generation), daemon=True,
                          name=f"rworker-{self.index}-reader").start()
+        # Up (open to other calls) only once configured: a call ahead of Configure on the
+        # stream would be refused ("Configure must be the first call").
         try:
-            reply = self.send(pb.Request(configure=self.configure)).result(timeout=self.timeout)
+            reply = self.send(pb.Request(configure=self.configure), configuring=True).result(timeout=self.timeout)
         except FutureTimeout:
             self.fail(generation, f"no reply to Configure within {self.timeout:g} s")
             raise WorkerLost(f"R-worker {self.address}: {self.reason}") from None
         if reply.code:
             self.fail(generation, f"Configure refused: {reply.message}")
             raise _reply_error(self.address, reply)
+        with self.lock:
+            if generation != self.generation or not self.live:
+                raise WorkerLost(f"R-worker {self.address}: {self.reason}")
+            self.up = True
         log.info("R-worker %s connected", self.address)
 
-    def send(self, request: pb.Request) -> Future:
+    def send(self, request: pb.Request, configuring: bool = False) -> Future:
         request.call_id = self.next_id()
-        return self.send_bytes(request.call_id, request.SerializeToString())
+        return self.send_bytes(request.call_id, request.SerializeToString(), configuring)
 
     def next_id(self) -> int:
         return next(self.ids)                # atomic under the GIL; ids need not be in stream order
 
-    def send_bytes(self, call_id: int, data: bytes) -> Future:
-        """Send a serialised Request whose call_id is call_id; its Future gets the Reply."""
+    def send_bytes(self, call_id: int, data: bytes, configuring: bool = False) -> Future:
+        """Send a serialised Request whose call_id is call_id; its Future gets the Reply.
+        Only connect() sends (its Configure) on a stream not up yet (configuring=True)."""
         fut: Future = Future()
         with self.lock:
-            if not self.up:
+            if not (self.live if configuring else self.up):
                 fut.set_exception(WorkerLost(f"R-worker {self.address} is down: {self.reason}"))
                 return fut
             self.pending[call_id] = (fut, time.monotonic())
@@ -195,9 +206,9 @@ class _Worker:
     def fail(self, generation: int, reason: str) -> None:
         """Take the worker down (once per stream): fail its pending calls, report its sequences lost."""
         with self.lock:
-            if generation != self.generation or not self.up:
+            if generation != self.generation or not self.live:
                 return
-            self.up, self.reason = False, reason
+            self.up, self.live, self.reason = False, False, reason
             pending, self.pending = self.pending, {}
             self.requests.put(_END)
             call = self.call
@@ -220,7 +231,7 @@ class _Worker:
 
     def close(self) -> None:
         with self.lock:
-            self.up, self.reason = False, "backend shut down"
+            self.up, self.live, self.reason = False, False, "backend shut down"
             pending, self.pending = self.pending, {}
             if self.requests is not None:
                 self.requests.put(_END)
@@ -452,34 +463,62 @@ class RemoteAttention(AttentionBackend):
 
     # ---- AttentionBackend ---------------------------------------------------------------
     def open(self, seq_ids: Sequence[int]) -> None:
+        """All or nothing: every id is opened (each on one live group) or, on error, none is.
+        A group that refuses k ids for capacity (RESOURCE_EXHAUSTED: its --max-sequences or its
+        pool) is offered at most k // 2 of them again in this call, the rest go to the other
+        groups; KVCapacityError is raised when no live group has room left."""
         seq_ids = [int(s) for s in seq_ids]
         with self.lock:
             dup = [s for s in seq_ids if self.placement.get(s) is not None]
+            was_lost = {s: self.lost_reason.get(s, "lost") for s in seq_ids if s in self.placement}
         if dup or len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"sequence(s) already open: {dup[:8] or seq_ids[:8]}")
+        opened: list[int] = []               # placed by this call: undone if it fails
+        room: dict[int, int] = {}            # group index -> at most this many more, in this call
+        refusals: dict[int, str] = {}        # group index -> its last capacity refusal
         todo = seq_ids
-        for _ in range(2 * len(self.workers) + 2):
-            if not todo:
-                return
-            todo = self._open_once(todo)
-        raise AttentionError(f"could not place {len(todo)} sequence(s) on any R-worker")
+        # Rounds: failed groups (down, draining) and halvings of a refusing group's room.
+        rounds = 2 * len(self.workers) + 2 + len(self.groups) * max(1, len(seq_ids)).bit_length()
+        try:
+            for _ in range(rounds):
+                if not todo:
+                    return
+                todo = self._open_once(todo, opened, room, refusals)
+            if todo:
+                raise AttentionError(f"could not place {len(todo)} sequence(s) on any R-worker")
+        except BaseException:
+            self.close(opened)               # frees them on their workers too (ordered on the stream)
+            with self.lock:                  # lost ones stay lost, for the engine to re-open
+                for s, reason in was_lost.items():
+                    if s not in self.placement:
+                        self.placement[s], self.lost_reason[s] = None, reason
+                self._plans.clear()
+            raise
 
-    def _open_once(self, seq_ids: list[int]) -> list[int]:
-        """Place and open; returns the ids that must be placed again (their group failed)."""
-        groups = [g for g in self.groups if g.accepting]
-        if not groups:
+    def _open_once(self, seq_ids: list[int], opened: list[int], room: dict[int, int],
+                   refusals: dict[int, str]) -> list[int]:
+        """Place and open; appends the ids now open to `opened`, lowers `room` of the groups
+        that refused for capacity (and of those that took ids), and returns the ids that must
+        be placed again (their group failed, or no group had room in this round)."""
+        groups = [g for g in self.groups if g.accepting and room.get(g.index, 1) > 0]
+        if not any(g.accepting for g in self.groups):     # not when they are only full
             self._revive_all()
-            groups = [g for g in self.groups if g.accepting]
+            groups = [g for g in self.groups if g.accepting and room.get(g.index, 1) > 0]
         if not groups:
+            if refusals:
+                raise KVCapacityError(f"no R-worker has room for {len(seq_ids)} more sequence(s), none opened: "
+                                      + "; ".join(refusals.values())[:1000])
             states = "; ".join(f"{w.address}: {'draining' if w.up else 'down (' + w.reason + ')'}"
                                for w in self.workers)
             raise AttentionError(f"no R-worker available for new sequences ({states})")
-        chosen = self._place(seq_ids, groups)
+        chosen = self._place(seq_ids, groups, room)
+        placed = {s for ids in chosen.values() for s in ids}
+        retry = [s for s in seq_ids if s not in placed]
         calls = []
         for g, ids in chosen.items():
             for w in g.workers:
                 calls.append((g, w, ids, w.send(pb.Request(open=pb.Open(seq_ids=ids)))))
-        retry, error = [], None
+        error = None
         failed_groups = set()
         for g, w, ids, fut in calls:
             try:
@@ -491,6 +530,10 @@ class RemoteAttention(AttentionBackend):
                 continue
             if reply.code == grpc.StatusCode.UNAVAILABLE.value[0]:      # draining
                 w.draining = True
+                failed_groups.add(g.index)
+            elif reply.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:   # no room for all of ids
+                room[g.index] = min(room.get(g.index, len(ids)), len(ids) // 2)
+                refusals[g.index] = f"{w.address}: {reply.message}"
                 failed_groups.add(g.index)
             elif reply.code:
                 error = error or _reply_error(w.address, reply)
@@ -508,23 +551,34 @@ class RemoteAttention(AttentionBackend):
                     self.lost_reason.pop(s, None)
                     self.seq_tokens[s] = 0
                     g.seqs.add(s)
+                opened.extend(ids)
+                if g.index in room:
+                    room[g.index] -= len(ids)
             self._plans.clear()
         if error is not None:
             raise error
         return retry
 
-    def _place(self, seq_ids: list[int], groups: list[_Group]) -> dict[_Group, list[int]]:
+    def _place(self, seq_ids: list[int], groups: list[_Group],
+               room: dict[int, int] | None = None) -> dict[_Group, list[int]]:
         """Least KV load (tokens) first. A new, still empty sequence counts as the mean length
-        of those already placed, so a batch of opens spreads instead of piling on one group."""
+        of those already placed, so a batch of opens spreads instead of piling on one group.
+        A group gets at most room[index] ids (when given); ids no group has room for are left out."""
+        room = dict(room or {})
         with self.lock:
             n = sum(len(g.seqs) for g in self.groups)
             mean = max(1.0, sum(g.tokens for g in self.groups) / n) if n else 1.0
             load = {g: g.tokens + mean * sum(1 for s in g.seqs if self.seq_tokens.get(s, 0) == 0) for g in groups}
         chosen: dict[_Group, list[int]] = {}
         for s in seq_ids:
-            g = min(groups, key=lambda g: (load[g], g.index))
+            fit = [g for g in groups if room.get(g.index, 1) > 0]
+            if not fit:
+                break
+            g = min(fit, key=lambda g: (load[g], g.index))
             chosen.setdefault(g, []).append(s)
             load[g] += mean
+            if g.index in room:
+                room[g.index] -= 1
         return chosen
 
     def close(self, seq_ids: Sequence[int]) -> None:

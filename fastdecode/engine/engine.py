@@ -31,6 +31,7 @@ from fastdecode.scheduler import Candidate, create_scheduler
 log = logging.getLogger("fastdecode.engine")
 TRACE_KEEP = 4096            # trace records kept in memory
 MAX_REBUILD_ATTEMPTS = 3     # re-prefills of a sequence whose KV keeps getting lost in one step
+ADMIT_RETRY_S = 0.05         # after the backend refused new KV for capacity: pause before asking again
 
 
 def share_cores(config: EngineConfig, device: str) -> EngineConfig:
@@ -78,6 +79,12 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._error: str | None = None
+        # Admission after a KV capacity refusal (see _kv_retry_due): when it began (None: no
+        # refusal pending), when to ask again, and KV frees by running sequences since then.
+        self._kv_refused_at: float | None = None
+        self._kv_retry_at = 0.0
+        self._kv_frees = 0
+        self._kv_frees_at_refusal = 0
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
@@ -219,23 +226,16 @@ class Engine:
         with self._lock:
             room = max(0, self.config.max_running - len(self._running))
             head = list(itertools.islice(self._waiting, room))
+        if not head or not self._kv_retry_due():
+            return []
         cands = [self._candidate(s) for s in head]
         n = min(self.scheduler.admit(self._step, cands, len(self._running)), len(head))
         if n <= 0:
             return []
+        n = self._open_kv(head[:n])
+        if n <= 0:
+            return []
         chosen = head[:n]
-        try:
-            self.backend.open([s.seq_id for s in chosen])
-        except KVCapacityError:
-            if self._running:
-                return []          # wait for running sequences to free KV
-            for s in chosen:
-                self._finish(s, "error", "the prompt does not fit in the KV capacity")
-            return []
-        except AttentionError as e:
-            for s in chosen:
-                self._finish(s, "error", f"attention backend failure: {e}")
-            return []
         with self._lock:
             for s in chosen:
                 self._waiting.remove(s)
@@ -243,6 +243,58 @@ class Engine:
                 self._running.append(s)
         self.scheduler.on_admitted(self._step, cands[:n])
         return chosen
+
+    def _kv_retry_due(self) -> bool:
+        """After a capacity refusal, ask the backend again once a running sequence has freed its
+        KV or ADMIT_RETRY_S has passed (other clients of the R-workers free theirs too). With
+        nothing running here, wait out that pause in this step rather than spin."""
+        if self._kv_refused_at is None or self._kv_frees != self._kv_frees_at_refusal:
+            return True
+        delay = self._kv_retry_at - time.monotonic()
+        if delay > 0 and not self._running:
+            time.sleep(delay)
+            delay = 0
+        return delay <= 0
+
+    def _open_kv(self, chosen: list[Sequence]) -> int:
+        """Open KV for the longest prefix of `chosen` the backend has room for now (halving the
+        prefix on each capacity refusal; the backend's open is all or nothing); returns its
+        length. Refused requests stay waiting and are retried later. Any other failure ends
+        the requests with an error, and never the engine."""
+        k, refusal = len(chosen), None
+        while k > 0:
+            ids = [s.seq_id for s in chosen[:k]]
+            try:
+                self.backend.open(ids)
+            except KVCapacityError as e:
+                refusal, k = e, k // 2
+                continue
+            except Exception as e:  # noqa: BLE001 -- a failed open must not take every request down
+                if isinstance(e, AttentionError):
+                    message = f"attention backend failure: {e}"
+                else:
+                    log.exception("opening KV for %d sequence(s) failed", len(ids))
+                    message = f"opening KV failed: {type(e).__name__}: {e}"
+                    try:
+                        self.backend.close(ids)          # whatever it left open (close is idempotent)
+                    except Exception:  # noqa: BLE001
+                        log.exception("closing KV after a failed open failed")
+                for s in chosen[:k]:
+                    self._finish(s, "error", message)
+                return 0
+            if self._kv_refused_at is not None:
+                log.info("KV capacity for new sequences again after %.2f s",
+                         time.monotonic() - self._kv_refused_at)
+                self._kv_refused_at = None
+            return k
+        now = time.monotonic()
+        if self._kv_refused_at is None:
+            self._kv_refused_at = now
+            log.warning("no KV capacity for new sequences (%s); %d request(s) wait for KV to be freed",
+                        refusal, len(self._waiting))
+        self._kv_retry_at = now + ADMIT_RETRY_S
+        self._kv_frees_at_refusal = self._kv_frees
+        return 0
 
     def _reopen(self, seqs: list[Sequence], last_try: bool) -> list[Sequence]:
         """Fresh KV for sequences whose KV was lost; those that cannot get one end with an error."""
@@ -293,6 +345,7 @@ class Engine:
                 self.backend.close([s.seq_id])
             except Exception:            # freeing must not take the engine down
                 log.exception("closing KV of sequence %d failed", s.seq_id)
+            self._kv_frees += 1
             self.scheduler.on_finished(self._step, s.seq_id, len(s.output_ids))
         with self._lock:
             if was_running:
