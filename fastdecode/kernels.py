@@ -19,10 +19,13 @@ token and kv head at head_dim 128, vs 512 for fp16: 3.2x less to read).
 Why per token for keys (KIVI quantizes keys per channel): per-channel groups
 need a block of tokens to be complete, so the newest tokens would have to stay
 in fp16 and be re-quantized later; per-token groups quantize each token once on
-append. Measured cost: SmolLM2-135M perplexity 39.03 -> 40.60 (+4.0%) on a
-1024-token English/markdown text with every K and V through this format
-(fp16: 39.02). The kernels never dequantize: q . k = sum_g s_g (q . u)_g +
-z_g sum_g(q), and sum_t p_t v_t = sum_t (p_t s_t) u_t + sum_t p_t z_t.
+append. Measured cost (bench/results/perplexity.json, `python -m fastdecode.eval
+--compare`): SmolLM2-135M perplexity 11.215 (fp16 KV) -> 12.168 (int4 KV), +8.5%,
+on 8 chunks of 1024 tokens of English prose (pydoc_data "The standard type
+hierarchy"), 8128 decoded tokens scored, each attending over every earlier K and
+V of its chunk in this format (fp32 KV reference: 11.215). The kernels never
+dequantize: q . k = sum_g s_g (q . u)_g + z_g sum_g(q), and
+sum_t p_t v_t = sum_t (p_t s_t) u_t + sum_t p_t z_t.
 """
 from __future__ import annotations
 
@@ -78,14 +81,37 @@ def _floats(x, name: str) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _int(x, name: str) -> int:
+    """One id or index as a Python int in int64's range; bools, floats and strings are refused
+    (int() would silently turn True into 1 and 1.5 into 1, aliasing another sequence)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {x!r} ({type(x).__name__})")
+    x = int(x)
+    if not _INT64_MIN <= x <= _INT64_MAX:
+        raise ValueError(f"{name} must fit in int64, got {x}")
+    return x
+
+
 def _ints(x, name: str) -> np.ndarray:
+    """A 1-D int64 array of integers in int64's range. Refused, not converted: bools, floats,
+    strings, and values outside int64 (a uint64 id >= 2**63 would wrap to a negative one)."""
     if hasattr(x, "detach") and hasattr(x, "numpy"):
         x = x.detach().cpu().numpy()
-    a = np.asarray(x)
+    if isinstance(x, np.ndarray):
+        a = x
+    elif isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
+        raise ValueError(f"{name} must be a 1-D sequence of integers, got {type(x).__name__}")
+    else:
+        a = np.array([_int(v, name) for v in x], dtype=np.int64)   # checks each, so no wrap-around
     if a.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
     if a.size and a.dtype.kind not in "iu":
         raise ValueError(f"{name} must be integers, got {a.dtype}")
+    if a.size and a.dtype.kind == "u" and a.max() > _INT64_MAX:
+        raise ValueError(f"{name} must fit in int64, got {a.max()}")
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
@@ -135,32 +161,33 @@ class KVStore:
         self._s.free(_ints(seq_ids, "seq_ids"))
 
     def has(self, seq_id: int) -> bool:
-        return self._s.has(int(seq_id))
+        return self._s.has(_int(seq_id, "seq_id"))
 
     def length(self, seq_id: int, layer: int = 0) -> int:
-        return self._s.length(int(seq_id), int(layer))
+        return self._s.length(_int(seq_id, "seq_id"), _int(layer, "layer"))
 
     def append(self, layer: int, seq_ids: Sequence[int], k, v) -> None:
         """One new token per sequence: k, v [B, Hkv, D]."""
-        self._call(self._s.append, int(layer), _ints(seq_ids, "seq_ids"), _floats(k, "k"), _floats(v, "v"))
+        self._call(self._s.append, _int(layer, "layer"), _ints(seq_ids, "seq_ids"), _floats(k, "k"),
+                   _floats(v, "v"))
 
     def append_span(self, layer: int, seq_ids: Sequence[int], lens: Sequence[int], k, v) -> None:
         """lens[i] tokens per sequence, back to back: k, v [sum(lens), Hkv, D]."""
-        self._call(self._s.append_span, int(layer), _ints(seq_ids, "seq_ids"), _ints(lens, "lens"),
+        self._call(self._s.append_span, _int(layer, "layer"), _ints(seq_ids, "seq_ids"), _ints(lens, "lens"),
                    _floats(k, "k"), _floats(v, "v"))
 
     def attend(self, layer: int, seq_ids: Sequence[int], q, scale: float | None = None) -> np.ndarray:
         """q [B, H, D] -> o float32 [B, H, D] over each sequence's cache at `layer`."""
-        return self._call(self._s.attend, int(layer), _ints(seq_ids, "seq_ids"), _floats(q, "q"), scale)
+        return self._call(self._s.attend, _int(layer, "layer"), _ints(seq_ids, "seq_ids"), _floats(q, "q"), scale)
 
     def decode(self, layer: int, seq_ids: Sequence[int], q, k, v, scale: float | None = None) -> np.ndarray:
         """append(k, v) then attend(q), in one call."""
-        return self._call(self._s.decode, int(layer), _ints(seq_ids, "seq_ids"), _floats(q, "q"),
+        return self._call(self._s.decode, _int(layer, "layer"), _ints(seq_ids, "seq_ids"), _floats(q, "q"),
                           _floats(k, "k"), _floats(v, "v"), scale)
 
     def read(self, seq_id: int, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The cache as the kernel sees it (fp16 widened, int4 dequantized): k, v float32 [T, Hkv, D]."""
-        return self._s.read(int(seq_id), int(layer))
+        return self._s.read(_int(seq_id, "seq_id"), _int(layer, "layer"))
 
     def stats(self) -> dict:
         """sequences, kv_tokens (per sequence: its longest layer), blocks_used, blocks_total, bytes_used, capacity_bytes."""

@@ -21,9 +21,38 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def kernels_built() -> bool:
+    try:
+        import fastdecode._kernels  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+# The pure-torch reference and the local C++ kernel (fp16 KV): the key behaviour tests run on both.
+BACKENDS = [pytest.param("torch", id="torch"),
+            pytest.param("local", id="local",
+                         marks=pytest.mark.skipif(not kernels_built(), reason="fastdecode._kernels is not built"))]
+
+
+def make_engine(model_dir: str, attention: str = "torch", **overrides) -> Engine:
+    if attention == "local":      # one kernel thread and a small pool: tiny batches, many engines
+        overrides = {"kernel_threads": 1, "kv_capacity_bytes": 16 << 20, **overrides}
+    return Engine(EngineConfig(model=model_dir, attention=attention, **overrides))
+
+
 @pytest.fixture
 def engine(tiny_model_dir):
-    e = Engine(EngineConfig(model=tiny_model_dir, attention="torch", max_waiting=64))
+    e = make_engine(tiny_model_dir, max_waiting=64)
+    yield e
+    e.stop()
+
+
+@pytest.fixture(params=BACKENDS)
+def any_engine(request, tiny_model_dir):
+    """The engine over each attention backend."""
+    e = make_engine(tiny_model_dir, request.param, max_waiting=64)
+    assert e.config.attention == request.param
     yield e
     e.stop()
 
@@ -50,7 +79,8 @@ def test_generate_streams_and_finishes_with_length(engine):
     assert engine.backend.stats()["sequences"] == 0
 
 
-def test_continuous_batching_matches_alone(engine):
+def test_continuous_batching_matches_alone(any_engine):
+    engine = any_engine
     alone = tokens_of(list(engine.generate("Hello, world!", GREEDY)))
     a = engine.add_request("The quick brown fox", GREEDY)
     early = [o for _ in range(3) for o in engine.step()]
@@ -76,7 +106,8 @@ def test_continuous_batching_matches_alone(engine):
     (42, {}, "prompt must be"),
     (None, {}, "prompt must be"),
 ])
-def test_bad_requests_get_clear_error_and_engine_keeps_serving(engine, prompt, params, match):
+def test_bad_requests_get_clear_error_and_engine_keeps_serving(any_engine, prompt, params, match):
+    engine = any_engine
     good = engine.add_request("The quick brown fox", GREEDY)
     first = engine.step()
     with pytest.raises(InvalidRequestError, match=match):
@@ -117,7 +148,8 @@ def test_duplicate_request_id_rejected(engine):
         engine.add_request("hi", GREEDY, request_id="x")
 
 
-def test_abort_frees_kv_at_once(engine):
+def test_abort_frees_kv_at_once(any_engine):
+    engine = any_engine
     a = engine.add_request("The quick brown fox", SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
     b = engine.add_request("Hello", SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
     first = engine.step() + engine.step()
@@ -128,7 +160,7 @@ def test_abort_frees_kv_at_once(engine):
     outs = drain(engine)
     assert outs[a][-1].finish_reason == "cancelled"
     assert outs[b][-1].finish_reason == "length"
-    assert engine.backend.stats() ["sequences"] == 0 and engine.backend.stats()["kv_tokens"] == 0
+    assert engine.backend.stats()["sequences"] == 0 and engine.backend.stats()["kv_tokens"] == 0
 
 
 def test_abort_waiting_request(engine):

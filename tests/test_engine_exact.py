@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import pytest
 import torch
@@ -181,27 +182,48 @@ class TestEngineExact(EngineExactSuite):
     pass
 
 
+# bf16 logits are rounded to 8 significant bits: at a logit of 36 one step (ulp) is 0.25, and
+# many top-2 pairs are exact ties. A greedy divergence is fine only at a near-tie of that size.
+BF16_NEAR_TIE_ULPS = 4
+
+
+def bf16_ulp(x: float) -> float:
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 2.0 ** -126))) - 7)
+
+
 @pytest.mark.parametrize("overrides", backend_params())
 def test_default_model_bf16_agreement(overrides):
-    """bf16 rounds differently from transformers' bf16 kernels: the first tokens agree, reported."""
+    """bf16 rounds differently from transformers' bf16 kernels: greedy tokens may part at a
+    bf16 near-tie of the reference, never at a clear gap. Reports leading equal tokens per prompt."""
     with torch_threads(1):
         _bf16_agreement(overrides)
 
 
 def _bf16_agreement(overrides):
     model_dir = default_model_dir()
-    n = 8
+    n = NEW_TOKENS
     ref = hf_reference(model_dir, "bfloat16", n)
     engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16", **overrides))
     try:
         toks, _, _ = run_engine(engine, n)
     finally:
         engine.stop()
-    agree = []
-    for ours, (theirs, _) in zip(toks, ref):
+    agree, possible, notes, clear = [], [], [], []
+    for i, (ours, (theirs, ref_logits)) in enumerate(zip(toks, ref)):
         k = 0
         while k < min(len(ours), len(theirs)) and ours[k] == theirs[k]:
             k += 1
         agree.append(k)
-    print(f"\nbf16 [{overrides['attention']}]: leading tokens equal to transformers per prompt (of {n}): {agree}")
-    assert sum(a >= 1 for a in agree) >= len(PROMPTS) - 1, agree
+        possible.append(len(theirs))
+        if k < min(len(ours), len(theirs)):
+            top2 = ref_logits[k].topk(2).values
+            gap, ulps = (top2[0] - top2[1]).item(), (top2[0] - top2[1]).item() / bf16_ulp(top2[0].item())
+            notes.append(f"prompt {i} parts at token {k} (reference top-2 gap {gap:.3g} = {ulps:.3g} bf16 ulp)")
+            if ulps > BF16_NEAR_TIE_ULPS:
+                clear.append(notes[-1])
+        else:
+            assert len(ours) == len(theirs), f"prompt {i}: {len(ours)} tokens, transformers {len(theirs)}"
+    print(f"\nbf16 [{overrides['attention']}]: leading tokens equal to transformers per prompt {agree} "
+          f"of {possible} ({sum(agree)}/{sum(possible)}); " + ("; ".join(notes) or "all equal"))
+    assert not clear, clear                                   # parting only at a bf16 near-tie
+    assert sum(agree) >= 0.5 * sum(possible), (agree, possible)

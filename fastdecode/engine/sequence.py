@@ -44,8 +44,8 @@ class Sequence:
         self.error: str | None = None
         self.arrival = time.monotonic()
         self.generator = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        if params.seed is not None:   # a CPU generator whatever the device: sample() moves its draws
+            self.generator = torch.Generator(device="cpu").manual_seed(params.seed)
         self.detok = IncrementalDetokenizer(tokenizer)
         self.text = ""          # output text so far (a stop string cut off)
         self.sent = 0           # characters of self.text already streamed

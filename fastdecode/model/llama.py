@@ -61,6 +61,24 @@ class ModelArgs:
         )
 
 
+def check_context(c, max_len: int) -> None:
+    """Refuse a config this S-Part would run wrongly at a context of max_len tokens.
+
+    Attention here is always full causal (prefill SDPA and the backends alike), so a
+    sliding window (Mistral; Qwen2 with use_sliding_window) shorter than the context
+    would silently be ignored. A window of at least max_len tokens changes nothing."""
+    window = getattr(c, "sliding_window", None)
+    if window is None:
+        return
+    layer_types = getattr(c, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return                              # e.g. Qwen2 whose window covers no layer
+    if window < max_len:
+        raise ValueError(f"config sets sliding_window={window}, smaller than the context limit of {max_len} "
+                         f"tokens (max_model_len, or the checkpoint's max_position_embeddings); fastdecode "
+                         f"has no sliding-window attention: set max_model_len <= {window}")
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()

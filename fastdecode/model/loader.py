@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from fastdecode.model.llama import LlamaModel, ModelArgs
+from fastdecode.model.llama import LlamaModel, ModelArgs, check_context
 
 # checkpoint name part -> (our fused parameter, shard index). Shards are
 # concatenated along dim 0 in shard order.
@@ -90,6 +90,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", ma
     args = ModelArgs.from_hf(hf_config)
     tokenizer = AutoTokenizer.from_pretrained(path)
     max_len = max_model_len or args.max_position_embeddings
+    check_context(hf_config, max_len)
 
     with torch.device("meta"):
         model = LlamaModel(args, hf_config, max_len)
