@@ -40,18 +40,17 @@ static void scores_fp16(const Layout& L, const uint8_t* head, int n, const float
     for (int g = 0; g < GT; ++g)
       for (int j = 0; j < C; ++j) s[g][j] = V::zero();
     const uint16_t* kp = K + c0;
-    const float* qp[GT];
-    for (int g = 0; g < GT; ++g) qp[g] = q + g * D;
+    const float* qd = q;  // q + g * D + d, bumped with d (no index arithmetic per FMA)
     int d = 0;
-    for (; d + C <= D; d += C, kp += C * rs) {
+    for (; d + C <= D; d += C, kp += C * rs, qd += C) {
       for (int j = 0; j < C; ++j) {
         const F k = V::load_h(kp + j * rs);
-        for (int g = 0; g < GT; ++g) s[g][j] = V::fma(V::set1(qp[g][d + j]), k, s[g][j]);
+        for (int g = 0; g < GT; ++g) s[g][j] = V::fma(V::set1(qd[g * D + j]), k, s[g][j]);
       }
     }
-    for (; d < D; ++d, kp += rs) {
+    for (; d < D; ++d, kp += rs, ++qd) {
       const F k = V::load_h(kp);
-      for (int g = 0; g < GT; ++g) s[g][0] = V::fma(V::set1(qp[g][d]), k, s[g][0]);
+      for (int g = 0; g < GT; ++g) s[g][0] = V::fma(V::set1(qd[g * D]), k, s[g][0]);
     }
     for (int g = 0; g < GT; ++g) {
       F t = s[g][0];
@@ -289,7 +288,8 @@ static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P,
     pv_int4_groups<GT, 1, QG>(D, ng, half, bsp, n, Vn, Cc, acc, pf);
 }
 
-// Per-item running state, pointers into the thread's scratch.
+// Running state of one kv head of an item (its G query heads), pointers into the
+// thread's scratch; P and Cc are per-block temporaries shared by the item's heads.
 struct ItemState {
   float *m, *l, *qsum, *acc, *zacc, *P, *Cc;
 };
@@ -345,66 +345,89 @@ static inline float* align16(float* p) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~static_cast<uintptr_t>(63));
 }
 
-// Bytes ahead the kernel prefetches (one block of one head: 8 KiB at fp16, 2.5 KiB at int4, D=128).
-// Measured (bench/kernel_micro.py, 1 thread, Zen5): fp16 best 1 block ahead, int4 7 blocks;
-// int4 regions are small, so its next blocks must be requested earlier.
+// Bytes ahead the kernel prefetches, in the order it reads: (block, kv head) regions of
+// an item, heads inner. A region is 8 KiB at fp16 and 2.5 KiB at int4 (D=128); int4
+// regions are small, so their successors must be requested earlier.
+// Measured (1 thread, Zen 5, this layout): fp16 best at 4-8 KiB ahead (16 KiB and more is
+// slower), int4 flat from 8 KiB on and 1.6x slower at one region (2.5 KiB) ahead.
 constexpr size_t kPrefetchBytesFp16 = 8192, kPrefetchBytesInt4 = 16384;
 
-// Work items [begin, end) of the job; scratch holds scratch_floats(L, G) floats.
+// Work items [begin, end) of the job; scratch holds scratch_floats(L, G, J.head_span) floats.
+// Item i is (sequence i / spans, kv heads [h0, h0 + head_span) with h0 = (i % spans) * head_span).
+// Blocks are walked outermost and the item's heads inside each block, so the reads of one
+// block are one contiguous run of head_span regions (a block stores its heads side by side).
 static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
   const Layout& L = *J.L;
   const int D = L.head_dim, G = J.G, Hkv = L.num_kv_heads, bs = L.block_size, bsp = L.bsp;
   const int ng = L.int4 ? D / L.qgroup : 0;
-  ItemState st;
+  const int span = J.head_span, spans = (Hkv + span - 1) / span;
+  ItemState st[kMaxHeadSpan];
   float* s = align16(scratch);
-  st.m = s;           s = align16(s + G);
-  st.l = s;           s = align16(s + G * W);
-  st.qsum = s;        s = align16(s + G * ng);
-  st.acc = s;         s = align16(s + G * D);
-  st.zacc = s;        s = align16(s + G * ng * 16);
-  st.P = s;           s = align16(s + G * bsp);
-  st.Cc = s;
+  float* P = s;  s = align16(s + G * bsp);
+  float* Cc = s; s = align16(s + 8 * ng * bsp);
+  for (int j = 0; j < span; ++j) {
+    st[j].P = P;
+    st[j].Cc = Cc;
+    st[j].m = s;        s = align16(s + G);
+    st[j].l = s;        s = align16(s + G * W);
+    st[j].qsum = s;     s = align16(s + G * ng);
+    st[j].acc = s;      s = align16(s + G * D);
+    st[j].zacc = s;     s = align16(s + G * ng * 16);
+  }
+  const size_t pf_bytes = L.int4 ? kPrefetchBytesInt4 : kPrefetchBytesFp16;
+  const int pf_regions = static_cast<int>((pf_bytes + L.head_bytes - 1) / L.head_bytes);
+  const int pf_lines = static_cast<int>((L.head_bytes / 64 + bs - 1) / bs);  // per token of a region
   for (int item = begin; item < end; ++item) {
-    const int b = item / Hkv, h = item % Hkv;
+    const int b = item / spans, h0 = (item % spans) * span;
+    const int nh = Hkv - h0 < span ? Hkv - h0 : span;
     const int ntok = J.lens[b];
     const int32_t* table = J.tables[b];
-    const float* q = J.q + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h) * G) * D;
-    for (int g = 0; g < G; ++g) {
-      st.m[g] = -__builtin_inff();
+    const float* qb = J.q + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h0) * G) * D;
+    for (int j = 0; j < nh; ++j) {
+      ItemState& t = st[j];
+      const float* q = qb + static_cast<size_t>(j) * G * D;
+      for (int g = 0; g < G; ++g) t.m[g] = -__builtin_inff();
+      for (int i = 0; i < G * W; ++i) t.l[i] = 0.0f;
+      for (int i = 0; i < G * D; ++i) t.acc[i] = 0.0f;
+      for (int i = 0; i < G * ng * W; ++i) t.zacc[i] = 0.0f;
+      for (int g = 0; g < G; ++g)
+        for (int grp = 0; grp < ng; ++grp) {
+          float sum = 0.0f;
+          for (int d = 0; d < L.qgroup; ++d) sum += q[g * D + grp * L.qgroup + d];
+          t.qsum[g * ng + grp] = sum;
+        }
     }
-    for (int i = 0; i < G * W; ++i) st.l[i] = 0.0f;
-    for (int i = 0; i < G * D; ++i) st.acc[i] = 0.0f;
-    for (int i = 0; i < G * ng * W; ++i) st.zacc[i] = 0.0f;
-    for (int g = 0; g < G; ++g)
-      for (int grp = 0; grp < ng; ++grp) {
-        float t = 0.0f;
-        for (int d = 0; d < L.qgroup; ++d) t += q[g * D + grp * L.qgroup + d];
-        st.qsum[g * ng + grp] = t;
-      }
     const int nblk = (ntok + bs - 1) / bs;
-    const size_t pf_bytes = L.int4 ? kPrefetchBytesInt4 : kPrefetchBytesFp16;
-    const int pf_blocks = static_cast<int>((pf_bytes + L.head_bytes - 1) / L.head_bytes);
-    const size_t hoff = static_cast<size_t>(h) * L.head_bytes;
-    for (int i = 0; i < nblk; ++i) {
-      const uint8_t* head = J.pool + static_cast<size_t>(table[i]) * L.block_bytes + hoff;
-      Prefetch pf;  // spread over this block's PV token loop, so ~lines/n per token
-      if (i + pf_blocks < nblk) {
-        pf.cur = J.pool + static_cast<size_t>(table[i + pf_blocks]) * L.block_bytes + hoff;
-        pf.end = pf.cur + L.head_bytes;
-        pf.per_step = static_cast<int>((L.head_bytes / 64 + bs - 1) / bs);
-      }
+    const int nregions = nblk * nh;
+    for (int i = 0, r = 0; i < nblk; ++i) {
+      const uint8_t* base = J.pool + static_cast<size_t>(table[i]) * L.block_bytes +
+                            static_cast<size_t>(h0) * L.head_bytes;
       const int n = ntok - i * bs < bs ? ntok - i * bs : bs;
-      for (int g0 = 0; g0 < G; g0 += 8) tile_any(G - g0 < 8 ? G - g0 : 8, L, head, n, q, st, g0, ng, pf);
-    }
-    float* out = J.out + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h) * G) * D;
-    for (int g = 0; g < G; ++g) {
-      const float inv = 1.0f / V::hsum(V::load(st.l + g * W));
-      for (int grp = 0; grp < ng; ++grp) {
-        const float z = V::hsum(V::load(st.zacc + (g * ng + grp) * W));
-        for (int d = grp * L.qgroup; d < (grp + 1) * L.qgroup; ++d) st.acc[g * D + d] += z;
+      for (int j = 0; j < nh; ++j, ++r) {
+        Prefetch pf;  // region r + pf_regions, spread over this region's PV token loop
+        if (r + pf_regions < nregions) {
+          const int ra = r + pf_regions, ia = ra / nh, ja = ra % nh;
+          pf.cur = J.pool + static_cast<size_t>(table[ia]) * L.block_bytes +
+                   static_cast<size_t>(h0 + ja) * L.head_bytes;
+          pf.end = pf.cur + L.head_bytes;
+          pf.per_step = pf_lines;
+        }
+        const uint8_t* head = base + static_cast<size_t>(j) * L.head_bytes;
+        const float* q = qb + static_cast<size_t>(j) * G * D;
+        for (int g0 = 0; g0 < G; g0 += 8) tile_any(G - g0 < 8 ? G - g0 : 8, L, head, n, q, st[j], g0, ng, pf);
       }
-      for (int d = 0; d < D; ++d) out[g * D + d] = st.acc[g * D + d] * inv;
     }
-    (void)bsp;
+    for (int j = 0; j < nh; ++j) {
+      ItemState& t = st[j];
+      float* out = J.out + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h0 + j) * G) * D;
+      for (int g = 0; g < G; ++g) {
+        const float inv = 1.0f / V::hsum(V::load(t.l + g * W));
+        for (int grp = 0; grp < ng; ++grp) {
+          const float z = V::hsum(V::load(t.zacc + (g * ng + grp) * W));
+          for (int d = grp * L.qgroup; d < (grp + 1) * L.qgroup; ++d) t.acc[g * D + d] += z;
+        }
+        for (int d = 0; d < D; ++d) out[g * D + d] = t.acc[g * D + d] * inv;
+      }
+    }
   }
 }

@@ -396,14 +396,19 @@ void KVStore::run_attention(const Snapshot& snap, int H, Input q, float scale, f
   job.tables = snap.tables.data();
   job.lens = snap.lens.data();
 
-  // The (sequence, kv head) items are cut into chunks of about equal tokens,
-  // several per thread, and threads take the next chunk from a shared counter:
-  // on a shared machine a descheduled thread then delays only its own chunk.
-  const int items = B * Hkv;
+  // Items are (sequence, span of kv heads): one item walks its heads block by block, so
+  // it reads each block's span as one contiguous run. The span is all heads unless that
+  // leaves too few items to share among the threads. Items are cut into chunks of about
+  // equal tokens, several per thread, and threads take the next chunk from a shared
+  // counter: on a shared machine a descheduled thread then delays only its own chunk.
   int64_t work = 0;
   for (int b = 0; b < B; ++b) work += (static_cast<int64_t>(snap.lens[b]) + 16) * Hkv;
-  const int T = work < kParallelMin ? 1 : std::min(pool_->size(), items);
-  const size_t need = scratch_floats(L_, G);
+  const int T = work < kParallelMin ? 1 : std::min(pool_->size(), B * Hkv);
+  int span = std::min(Hkv, kMaxHeadSpan);
+  while (span > 1 && static_cast<int64_t>(B) * ((Hkv + span - 1) / span) < 4 * T) span = (span + 1) / 2;
+  const int spans = (Hkv + span - 1) / span, items = B * spans;
+  job.head_span = span;
+  const size_t need = scratch_floats(L_, G, span);
   for (int t = 0; t < T; ++t)
     if (scratch_[t].size() < need) scratch_[t].resize(need);
   if (T == 1) {
@@ -415,7 +420,8 @@ void KVStore::run_attention(const Snapshot& snap, int H, Input q, float scale, f
   bounds[0] = 0;
   int64_t acc = 0;
   for (int i = 0, c = 1; i < items && c < nchunks; ++i) {
-    acc += snap.lens[i / Hkv] + 16;
+    const int h0 = (i % spans) * span;
+    acc += (static_cast<int64_t>(snap.lens[i / spans]) + 16) * std::min(span, Hkv - h0);
     while (c < nchunks && acc * nchunks >= work * c) bounds[c++] = i + 1;
   }
   std::atomic<int> next{0};
