@@ -86,6 +86,26 @@ def generate(server, prompt, sampling=GREEDY, stream=True, **extra):
                                 extra=extra or None, timeout=60))
 
 
+def generate_concurrently(server, prompts, timeout=120) -> list[str]:
+    """Each prompt's streamed text, all requests in flight at once (one thread and stream each)."""
+    results: dict[int, str] = {}
+    errors = []
+
+    def run(i):
+        try:
+            results[i] = text(generate(server, prompts[i]))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+    return [results[i] for i in range(len(prompts))]
+
+
 def text(responses):
     return "".join(r.get("text_output", "") for r in responses)
 
@@ -189,22 +209,7 @@ def test_http_generate_and_generate_stream(server):
 def test_16_concurrent_streams_equal_one_by_one(server):
     prompts = [f"Request {i}: the quick brown fox {'jumps ' * (i % 4)}" for i in range(16)]
     one_by_one = [text(generate(server, p)) for p in prompts]
-    results: dict[int, str] = {}
-    errors = []
-
-    def run(i):
-        try:
-            results[i] = text(generate(server, prompts[i]))
-        except Exception as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors
-    assert [results[i] for i in range(16)] == one_by_one
+    assert generate_concurrently(server, prompts) == one_by_one
     assert len(set(one_by_one)) > 1
 
 
@@ -482,22 +487,7 @@ def test_sls_scheduler_streams_equal_fcfs_and_report_w_lim(server):
         assert http_json(server, f"/v2/models/{MODEL}/config")["parameters"]["scheduler"]["string_value"] == "sls"
         steps_before = total(server, "fastdecode_steps_total")
         step_s_before = total(server, "fastdecode_step_seconds_total")
-        results: dict[int, str] = {}
-        errors = []
-
-        def run(i):
-            try:
-                results[i] = text(generate(server, prompts[i]))
-            except Exception as e:  # reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors
-        assert [results[i] for i in range(len(prompts))] == fcfs
+        assert generate_concurrently(server, prompts) == fcfs
         time.sleep(0.3)   # the metrics interval
         trace = load_trace(trace_path)
         assert max(r["context_tokens"] for r in trace) <= w_lim
