@@ -16,7 +16,7 @@ STUB = $(TRITON_DIR)/backends/python/triton_python_backend_stub
 KERNEL_SO = $(firstword $(wildcard fastdecode/_kernels*.so))
 
 .PHONY: setup build model test test-slow serve stop rworkers rworkers-stop plan loadtest \
-        bench-kernel bench-engine bench-rworker bench-triton bench-sls clean
+        bench-kernel bench-engine bench-rworker bench-triton bench-sls bench-int4-grouping clean
 
 setup: $(VENV)/.installed $(STUB) build model
 
@@ -87,6 +87,8 @@ bench-triton: setup
 	$(PY) bench/bench_triton.py
 bench-sls: setup
 	$(PY) bench/bench_sls.py
+bench-int4-grouping: setup
+	$(PY) bench/bench_int4_grouping.py
 
 clean:
 	rm -rf build fastdecode/_kernels*.so $(VENV)/.built rworker/proto/*_pb2*.py rworker/proto/*_pb2*.pyi

@@ -43,10 +43,12 @@ def default_text() -> tuple[str, str]:
 
 
 def perplexity(config: EngineConfig, text: str, prefix: int = PREFIX, chunks: int = CHUNKS, loaded=None,
-               context: int = CONTEXT) -> dict:
+               context: int = CONTEXT, make_backend=None) -> dict:
+    """make_backend(spec) -> AttentionBackend replaces config's backend (bench/bench_int4_grouping.py)."""
     threads = torch.get_num_threads()
     try:
-        return _perplexity(share_cores(config, config.torch_device), text, prefix, chunks, loaded, context)
+        return _perplexity(share_cores(config, config.torch_device), text, prefix, chunks, loaded, context,
+                           make_backend)
     finally:
         torch.set_num_threads(threads)      # share_cores changed it for this run only
 
@@ -57,7 +59,8 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return -logits.log_softmax(-1).gather(1, targets.to(logits.device)[:, None]).sum()
 
 
-def _perplexity(config: EngineConfig, text: str, prefix: int, chunks: int, loaded, context: int) -> dict:
+def _perplexity(config: EngineConfig, text: str, prefix: int, chunks: int, loaded, context: int,
+                make_backend) -> dict:
     loaded = loaded or load_model(config.model, config.dtype, config.torch_device, config.max_model_len)
     a = loaded.args
     ids = loaded.tokenizer(text)["input_ids"]
@@ -65,7 +68,8 @@ def _perplexity(config: EngineConfig, text: str, prefix: int, chunks: int, loade
     if length <= prefix + 1:
         raise ValueError(f"text too short: {len(ids)} tokens for {chunks} chunks with prefix {prefix}")
     rows = [ids[i * length:(i + 1) * length] for i in range(chunks)]
-    backend = create_backend(config, KVSpec(a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim))
+    spec = KVSpec(a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim)
+    backend = make_backend(spec) if make_backend else create_backend(config, spec)
     runner = ModelRunner(loaded.model, backend, config.torch_device, config.num_minibatches)
     seq_ids = list(range(1, chunks + 1))
     targets = torch.tensor(rows)                          # [chunks, length], CPU: token_nll moves each column
