@@ -61,32 +61,55 @@ def per_channel(x: torch.Tensor) -> torch.Tensor:
 
 class FakeInt4Attention(TorchAttention):
     """The torch reference with K and V stored as dequantized int4 under a grouping scheme:
-    ("token", G) groups G channels of a token; ("channel", N) groups N tokens of a channel,
-    the newest < N tokens held in fp16 until their group is complete."""
+      ("token", G)               G channels of a token, quantized on arrival;
+      ("channel", N)             N tokens of a channel; the newest < N tokens in fp16 until
+                                 their group is complete (KIVI's residual);
+      ("token_tail", G, N)       per token like ("token", G), but the newest < N tokens in fp16
+                                 (the residual alone, without per-channel groups);
+      ("channel_requant", N, G)  the newest < N tokens per token (G channels), re-quantized per
+                                 channel (N tokens) from those int4 values once complete: no fp16."""
 
-    def __init__(self, spec, k_scheme: tuple[str, int], v_scheme: tuple[str, int]) -> None:
+    def __init__(self, spec, k_scheme: tuple, v_scheme: tuple) -> None:
         super().__init__(spec)
         self.schemes = {"k": k_scheme, "v": v_scheme}
-        self.tail: dict[tuple[str, int, int], torch.Tensor] = {}      # (k|v, seq, layer) -> fp32 rows not quantized
+        self.tail: dict[tuple[str, int, int], torch.Tensor] = {}      # (k|v, seq, layer) -> raw rows not grouped yet
 
     def close(self, seq_ids) -> None:
         super().close(seq_ids)
         self.tail = {key: t for key, t in self.tail.items() if key[1] not in set(seq_ids)}
 
+    @staticmethod
+    def _complete(scheme: tuple, raw: torch.Tensor) -> torch.Tensor:
+        """A complete group of raw rows, as stored."""
+        if scheme[0] == "channel":
+            return per_channel(raw)
+        if scheme[0] == "token_tail":
+            return per_token(raw, scheme[1])
+        return per_channel(per_token(raw, scheme[2]))          # channel_requant
+
+    @staticmethod
+    def _incomplete(scheme: tuple, raw: torch.Tensor) -> torch.Tensor:
+        """Rows of a group still filling, as stored."""
+        if scheme[0] == "channel_requant":
+            return per_token(raw, scheme[2]) if len(raw) else raw
+        return raw.half().float()
+
     def _store(self, which: str, s: int, layer: int, rows: torch.Tensor) -> None:
         store = self.k if which == "k" else self.v
-        kind, n = self.schemes[which]
+        scheme = self.schemes[which]
         rows = rows.float()
-        if kind == "token":
-            store[s][layer] = torch.cat([store[s][layer], per_token(rows, n)])
+        if scheme[0] == "token":
+            store[s][layer] = torch.cat([store[s][layer], per_token(rows, scheme[1])])
             return
-        tail = torch.cat([self.tail.get((which, s, layer), rows[:0]), rows])
-        done = store[s][layer].shape[0] - (self.tail[(which, s, layer)].shape[0] if (which, s, layer) in self.tail
-                                           else 0)
+        n = scheme[1] if scheme[0] in ("channel", "channel_requant") else scheme[2]
+        key = (which, s, layer)
+        old_tail = self.tail.get(key, rows[:0])
+        done = store[s][layer].shape[0] - old_tail.shape[0]
+        tail = torch.cat([old_tail, rows])
         full = tail.shape[0] // n * n
-        quantized = [per_channel(tail[a:a + n]) for a in range(0, full, n)]
-        self.tail[(which, s, layer)] = tail[full:]
-        store[s][layer] = torch.cat([store[s][layer][:done], *quantized, tail[full:].half().float()])
+        groups = [self._complete(scheme, tail[a:a + n]) for a in range(0, full, n)]
+        self.tail[key] = tail[full:]
+        store[s][layer] = torch.cat([store[s][layer][:done], *groups, self._incomplete(scheme, tail[full:])])
 
     def prefill(self, layer, seq_ids, lens, k, v) -> None:
         self._check(seq_ids)
@@ -113,6 +136,8 @@ SCHEMES = {   # name -> (K grouping, V grouping)
     "kchannel16": (("channel", 16), ("token", 32)),     # KIVI, groups of one KV block (16 tokens)
     "kchannel32": (("channel", 32), ("token", 32)),     # KIVI, groups of 32 tokens
     "kvchannel16": (("channel", 16), ("channel", 16)),  # both per channel
+    "token32_ktail16": (("token_tail", 32, 16), ("token", 32)),          # KIVI's fp16 residual alone
+    "kchannel16_requant": (("channel_requant", 16, 32), ("token", 32)),  # per channel, no fp16 residual
 }
 
 
