@@ -16,15 +16,19 @@ int4 format: asymmetric, per token, groups of 32 channels (16 when head_dim is
 not a multiple of 32), for keys and values alike; scale and zero point stored
 as fp16 beside each group. That is 4 + 1 = 5 bits per value (160 bytes per
 token and kv head at head_dim 128, vs 512 for fp16: 3.2x less to read).
-Why per token for keys (KIVI quantizes keys per channel): per-channel groups
-need a block of tokens to be complete, so the newest tokens would have to stay
-in fp16 and be re-quantized later; per-token groups quantize each token once on
-append. Measured cost (bench/results/perplexity.json, `python -m fastdecode.eval
+Measured cost (bench/results/perplexity.json, `python -m fastdecode.eval
 --compare`): SmolLM2-135M perplexity 11.215 (fp16 KV) -> 12.168 (int4 KV), +8.5%,
 on 8 chunks of 1024 tokens of English prose (pydoc_data "The standard type
 hierarchy"), 8128 decoded tokens scored, each attending over every earlier K and
-V of its chunk in this format (fp32 KV reference: 11.215). The kernels never
-dequantize: q . k = sum_g s_g (q . u)_g + z_g sum_g(q), and
+V of its chunk in this format (fp32 KV reference: 11.215).
+Groupings compared (`make bench-int4-grouping`, bench/results/int4_grouping.json,
+same text): keys per channel over 16-token blocks with the newest unfinished
+block in fp16 (KIVI) cost +0.8%, the fp16 newest block alone with per-token keys
++3.9%, per-channel keys re-quantized from per-token int4 (no fp16) +7.8%. The
+better formats need an fp16 staging area for each sequence's newest block per
+layer, which this store does not have yet: per-token groups quantize each token
+once on append.
+The kernels never dequantize: q . k = sum_g s_g (q . u)_g + z_g sum_g(q), and
 sum_t p_t v_t = sum_t (p_t s_t) u_t + sum_t p_t z_t.
 """
 from __future__ import annotations
