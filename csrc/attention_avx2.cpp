@@ -60,6 +60,12 @@ struct V {
     hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4));
   }
   static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+  typedef __m256i I;
+  static inline I load_u32(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  template <int S>
+  static inline F nib_at(I x) {  // (x >> S) & 15 per lane, as float
+    return _mm256_cvtepi32_ps(_mm256_and_si256(S ? _mm256_srli_epi32(x, S) : x, _mm256_set1_epi32(15)));
+  }
 };
 
 #include "attention_impl.h"

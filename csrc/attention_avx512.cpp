@@ -1,4 +1,6 @@
-// AVX-512 path (F + BW + VL; fp16 converted with vcvtph2ps): W = 16 lanes.
+// AVX-512 paths, W = 16 lanes (fp16 converted with vcvtph2ps):
+//   avx512      F + BW + VL + DQ, all math in fp32;
+//   avx512vnni  the same, with int4 key scores as integer dot products (AVX512-VNNI).
 #include "common.h"
 
 #if defined(__x86_64__)
@@ -54,6 +56,13 @@ struct V {
     hi = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), lut);
   }
   static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+  typedef __m512i I;
+  static inline I load_u32(const uint32_t* p) { return _mm512_loadu_si512(p); }
+  template <int S>
+  static inline F nib_at(I x) {  // (x >> S) & 15 per lane, as float (vpermps reads 4 index bits)
+    const F lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_permutexvar_ps(S ? _mm512_srli_epi32(x, S) : x, lut);
+  }
 };
 
 #include "attention_impl.h"
@@ -62,13 +71,47 @@ struct V {
 }  // namespace fd
 
 #pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+
+namespace fd {
+namespace avx512vnni_isa {
+
+struct V : avx512_isa::V {
+  static inline I izero() { return _mm512_setzero_si512(); }
+  static inline I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static inline F cvt(I x) { return _mm512_cvtepi32_ps(x); }
+  // The low and high nibbles of every byte, as bytes.
+  static inline void nib_bytes(I x, I& lo, I& hi) {
+    const I m = _mm512_set1_epi8(15);
+    lo = _mm512_and_si512(x, m);
+    hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m);
+  }
+  // acc + sum of the 4 byte products u8(u) * s8(w) in each 32-bit lane, w the same for every lane
+  // (GCC does not fold the broadcast into the instruction; the asm takes it from memory, {1to16}.)
+  static inline I dpbusd(I acc, I u, const int32_t* w) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*w));
+    return acc;
+  }
+};
+
+#define FD_VNNI 1
+#include "attention_impl.h"
+#undef FD_VNNI
+
+}  // namespace avx512vnni_isa
+}  // namespace fd
+
+#pragma GCC pop_options
 
 namespace fd {
 ItemsFn avx512_items() { return &avx512_isa::run_items; }
+ItemsFn avx512vnni_items() { return &avx512vnni_isa::run_items; }
 }  // namespace fd
 
 #else
 namespace fd {
 ItemsFn avx512_items() { return nullptr; }
+ItemsFn avx512vnni_items() { return nullptr; }
 }  // namespace fd
 #endif

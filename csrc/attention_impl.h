@@ -9,7 +9,9 @@
 //     s_t = (q_j . K_t) / sqrt(D);   o_j = sum_t softmax(s)_t V_t
 // in one pass over the blocks with an online softmax (running max m, running
 // sum l, accumulator acc rescaled by 2^(m_old - m_new)); scores are kept in
-// log2 units (q is pre-multiplied by log2(e) / sqrt(D)). All math in fp32.
+// log2 units (q is pre-multiplied by log2(e) / sqrt(D)). All math in fp32, except
+// that with FD_VNNI (the avx512vnni path) int4 key scores are integer dot products
+// of the nibbles with q in 24-bit fixed point (q_limbs), summed exactly in int32.
 // The plain float64 version is `reference_attention` in fastdecode/kernels.py.
 //
 // int4: a stored value is x = scale * u + zero (u in 0..15, per group of qg
@@ -30,7 +32,7 @@ constexpr int qk_chains() {
 
 // QK for GT query heads against up to one block of fp16 keys: P[g][t] = q_g . k_t
 template <int GT>
-static void scores_fp16(const Layout& L, const uint8_t* head, int n, const float* q, float* P) {
+static void scores_fp16(const Layout& L, const uint8_t* head, int n, const float* q, float* P, int ps) {
   constexpr int C = qk_chains<GT>();
   const int D = L.head_dim, bsp = L.bsp;
   const uint16_t* K = reinterpret_cast<const uint16_t*>(head + L.k_off);
@@ -55,66 +57,155 @@ static void scores_fp16(const Layout& L, const uint8_t* head, int n, const float
     for (int g = 0; g < GT; ++g) {
       F t = s[g][0];
       for (int j = 1; j < C; ++j) t = V::add(t, s[g][j]);
-      V::store(P + g * bsp + c0, t);
+      V::store(P + g * ps + c0, t);
     }
   }
 }
 
-// QK for int4 keys. qsum[g * ng + grp] = sum of q_g over the channels of group grp.
-// QG: the group size when known at compile time (0: L.qgroup), so the row loop unrolls.
-template <int GT, int QG>
+// The 8 channels of one int4 key row, as floats for W tokens: dword t of the row holds
+// channels 8r + b (low nibble of byte b) and 8r + 4 + b (high nibble), b = 0..3.
+template <int C>
+static inline F key_nib(typename V::I x) {
+  return V::template nib_at<C < 4 ? 8 * C : 8 * (C - 4) + 4>(x);
+}
+
+template <int GT, int CH, int C>
+static inline void key_fma(typename V::I x, const float* const* qd, int ch0, F (&r)[GT][CH]) {
+  const F k = key_nib<C>(x);
+  for (int g = 0; g < GT; ++g) r[g][C % CH] = V::fma(V::set1(qd[g][ch0 + C]), k, r[g][C % CH]);
+}
+
+// QK for int4 keys in fp32. qsum[g * ng + grp] = sum of q_g over the channels of group grp.
+template <int GT>
 static void scores_int4(const Layout& L, const uint8_t* head, int n, const float* q, const float* qsum,
-                        float* P) {
-  const int D = L.head_dim, bsp = L.bsp, qg = QG ? QG : L.qgroup, ng = D / qg;
-  const uint8_t* Kn = head + L.k_off;
+                        float* P, int ps) {
+  constexpr int CH = GT == 1 ? 8 : (GT == 2 ? 4 : (GT <= 4 ? 2 : 1));  // FMA chains per head
+  const int D = L.head_dim, bsp = L.bsp, qg = L.qgroup, ng = D / qg;
+  const uint32_t* Kn = reinterpret_cast<const uint32_t*>(head + L.k_off);
   const uint16_t* Ks = reinterpret_cast<const uint16_t*>(head + L.ks_off);
   const uint16_t* Kz = reinterpret_cast<const uint16_t*>(head + L.kz_off);
   for (int c0 = 0; c0 < n; c0 += W) {
     F s[GT];
     for (int g = 0; g < GT; ++g) s[g] = V::zero();
     for (int grp = 0; grp < ng; ++grp) {
-      constexpr int R = GT == 1 ? 4 : (GT == 2 ? 2 : 1);  // channel-pair rows per step: 2R chains per head
-      F r[GT][2 * R];
+      F r[GT][CH];
       for (int g = 0; g < GT; ++g)
-        for (int j = 0; j < 2 * R; ++j) r[g][j] = V::zero();
-      const uint8_t* kr = Kn + static_cast<ptrdiff_t>(grp * qg / 2) * bsp + c0;  // channel-pair rows
+        for (int j = 0; j < CH; ++j) r[g][j] = V::zero();
       const float* qd[GT];
       for (int g = 0; g < GT; ++g) qd[g] = q + g * D + grp * qg;
-#pragma GCC unroll 16
-      for (int pr = 0; pr < qg / 2; pr += R, kr += R * static_cast<ptrdiff_t>(bsp)) {
-        F lo[R], hi[R];
-        for (int j = 0; j < R; ++j) V::nib(kr + j * static_cast<ptrdiff_t>(bsp), lo[j], hi[j]);
-        for (int g = 0; g < GT; ++g) {
-          for (int j = 0; j < R; ++j) {
-            r[g][2 * j] = V::fma(V::set1(qd[g][2 * pr + 2 * j]), lo[j], r[g][2 * j]);
-            r[g][2 * j + 1] = V::fma(V::set1(qd[g][2 * pr + 2 * j + 1]), hi[j], r[g][2 * j + 1]);
-          }
-        }
+      for (int rr = 0; rr < qg / 8; ++rr) {
+        const typename V::I x = V::load_u32(Kn + static_cast<ptrdiff_t>(grp * qg / 8 + rr) * bsp + c0);
+        key_fma<GT, CH, 0>(x, qd, 8 * rr, r); key_fma<GT, CH, 1>(x, qd, 8 * rr, r);
+        key_fma<GT, CH, 2>(x, qd, 8 * rr, r); key_fma<GT, CH, 3>(x, qd, 8 * rr, r);
+        key_fma<GT, CH, 4>(x, qd, 8 * rr, r); key_fma<GT, CH, 5>(x, qd, 8 * rr, r);
+        key_fma<GT, CH, 6>(x, qd, 8 * rr, r); key_fma<GT, CH, 7>(x, qd, 8 * rr, r);
       }
       const F ks = V::load_h(Ks + static_cast<size_t>(grp) * bsp + c0);
       const F kz = V::load_h(Kz + static_cast<size_t>(grp) * bsp + c0);
       for (int g = 0; g < GT; ++g) {
         F dot = r[g][0];
-        for (int j = 1; j < 2 * R; ++j) dot = V::add(dot, r[g][j]);
+        for (int j = 1; j < CH; ++j) dot = V::add(dot, r[g][j]);
         s[g] = V::fma(ks, dot, s[g]);
         s[g] = V::fma(kz, V::set1(qsum[g * ng + grp]), s[g]);
       }
     }
-    for (int g = 0; g < GT; ++g) V::store(P + g * bsp + c0, s[g]);
+    for (int g = 0; g < GT; ++g) V::store(P + g * ps + c0, s[g]);
   }
 }
 
-// Online softmax over one block for the GT heads of a tile; the heads are
-// independent, so their reductions overlap. P[g][0..n) holds scores in log2
-// units; on return 2^(s - m_new), with zeros up to the next multiple of W.
+#ifdef FD_VNNI
+// q in fixed point for the integer path: per query head and group of 32 channels,
+// q_d ~= fs * (a_d * 2^16 + b_d * 2^8 + c_d), a, b, c signed bytes, |q_d - that| <= fs / 2
+// with fs = max_d |q_d| / (2^23 - 2^16): the error of rounding the group's largest |q| to fp32.
+// limbs[(g * 3 + limb) * D/4 + i] packs the limb of channels 4i..4i+3, one byte each.
+static void q_limbs(const float* q, int G, int D, int32_t* limbs, float* fs) {
+  const int ng = D / 32;
+  for (int g = 0; g < G; ++g) {
+    int8_t* la = reinterpret_cast<int8_t*>(limbs + (g * 3 + 0) * (D / 4));
+    int8_t* lb = reinterpret_cast<int8_t*>(limbs + (g * 3 + 1) * (D / 4));
+    int8_t* lc = reinterpret_cast<int8_t*>(limbs + (g * 3 + 2) * (D / 4));
+    for (int grp = 0; grp < ng; ++grp) {
+      const float* x = q + g * D + grp * 32;
+      float mx = 0.0f;
+      for (int d = 0; d < 32; ++d) mx = std::fabs(x[d]) > mx ? std::fabs(x[d]) : mx;
+      float f = mx / 8323072.0f;
+      if (!(f >= 1.17549435e-38f)) f = mx > 0.0f ? 1.17549435e-38f : 1.0f;  // subnormal or zero q
+      fs[g * ng + grp] = f;
+      const float inv = 1.0f / f;
+      for (int d = 0; d < 32; ++d) {
+        const int32_t Q = static_cast<int32_t>(std::nearbyint(x[d] * inv));
+        const int32_t c = ((Q + 128) & 255) - 128, q1 = (Q - c) / 256;
+        const int32_t b = ((q1 + 128) & 255) - 128, a = (q1 - b) / 256;
+        la[grp * 32 + d] = static_cast<int8_t>(a);
+        lb[grp * 32 + d] = static_cast<int8_t>(b);
+        lc[grp * 32 + d] = static_cast<int8_t>(c);
+      }
+    }
+  }
+}
+
+// QK for int4 keys with integer dot products (u8 nibbles x s8 limbs, 4 channels per lane
+// and instruction), three limbs summed exactly in int32, combined in fp32 once per group.
+template <int GT>
+static void scores_int4_vnni(const Layout& L, const uint8_t* head, int n, const int32_t* limbs, const float* fs,
+                             const float* qsum, float* P, int ps) {
+  constexpr int CH = GT <= 2 ? 2 : 1;  // accumulators per (head, limb): low and high nibbles apart
+  const int D = L.head_dim, bsp = L.bsp, ng = D / 32, D4 = D / 4;
+  const uint32_t* Kn = reinterpret_cast<const uint32_t*>(head + L.k_off);
+  const uint16_t* Ks = reinterpret_cast<const uint16_t*>(head + L.ks_off);
+  const uint16_t* Kz = reinterpret_cast<const uint16_t*>(head + L.kz_off);
+  for (int c0 = 0; c0 < n; c0 += W) {
+    F s[GT];
+    for (int g = 0; g < GT; ++g) s[g] = V::zero();
+    for (int grp = 0; grp < ng; ++grp) {
+      typename V::I a[GT][3][CH];
+      for (int g = 0; g < GT; ++g)
+        for (int l = 0; l < 3; ++l)
+          for (int j = 0; j < CH; ++j) a[g][l][j] = V::izero();
+#pragma GCC unroll 4
+      for (int rr = 0; rr < 4; ++rr) {
+        const int r = grp * 4 + rr;
+        typename V::I lo, hi;
+        V::nib_bytes(V::load_u32(Kn + static_cast<ptrdiff_t>(r) * bsp + c0), lo, hi);
+        for (int g = 0; g < GT; ++g)
+          for (int l = 0; l < 3; ++l) {
+            const int32_t* w = limbs + (g * 3 + l) * D4 + 2 * r;
+            a[g][l][0] = V::dpbusd(a[g][l][0], lo, w);
+            a[g][l][CH - 1] = V::dpbusd(a[g][l][CH - 1], hi, w + 1);
+          }
+      }
+      const F ks = V::load_h(Ks + static_cast<size_t>(grp) * bsp + c0);
+      const F kz = V::load_h(Kz + static_cast<size_t>(grp) * bsp + c0);
+      for (int g = 0; g < GT; ++g) {
+        typename V::I A = a[g][0][0], B = a[g][1][0], C = a[g][2][0];
+        if (CH == 2) {
+          A = V::iadd(A, a[g][0][CH - 1]);
+          B = V::iadd(B, a[g][1][CH - 1]);
+          C = V::iadd(C, a[g][2][CH - 1]);
+        }
+        // |C| < 2^16 and |B| * 2^8 < 2^24: the inner sum is exact; one rounding in the outer.
+        const F dot = V::fma(V::cvt(A), V::set1(65536.0f), V::fma(V::cvt(B), V::set1(256.0f), V::cvt(C)));
+        s[g] = V::fma(ks, V::mul(dot, V::set1(fs[g * ng + grp])), s[g]);
+        s[g] = V::fma(kz, V::set1(qsum[g * ng + grp]), s[g]);
+      }
+    }
+    for (int g = 0; g < GT; ++g) V::store(P + g * ps + c0, s[g]);
+  }
+}
+#endif
+
+// Online softmax over one chunk of blocks for the GT heads of a tile; the heads are
+// independent, so their reductions overlap. P[g * ps + 0..n) holds scores in log2
+// units (-inf where no token is); on return 2^(s - m_new), with zeros up to the next
+// multiple of W.
 // m[g] is the running max, l[g * W ..] the running sum as W lanes, and
 // corr[g] the factor the accumulators of head g must be scaled by.
 template <int GT>
-static void softmax_tile(float* P, int bsp, int n, float* m, float* l, float* corr) {
+static void softmax_tile(float* P, int ps, int n, float* m, float* l, float* corr) {
   const int nr = (n + W - 1) / W * W;
   float m_new[GT];
   for (int g = 0; g < GT; ++g) {
-    float* p = P + g * bsp;
+    float* p = P + g * ps;
     for (int t = n; t < nr; ++t) p[t] = -__builtin_inff();
     F mx = V::load(p);
     for (int c0 = W; c0 < nr; c0 += W) mx = V::max(mx, V::load(p + c0));
@@ -126,7 +217,7 @@ static void softmax_tile(float* P, int bsp, int n, float* m, float* l, float* co
     m[g] = m_new[g];
   }
   for (int g = 0; g < GT; ++g) {
-    float* p = P + g * bsp;
+    float* p = P + g * ps;
     const F mv = V::set1(m_new[g]);
     F sum = V::mul(V::set1(corr[g]), V::load(l + g * W));
     for (int c0 = 0; c0 < nr; c0 += W) {
@@ -182,13 +273,13 @@ static void pv_fp16_chunk(const uint16_t* Vr, int D, int n, const float* P, int 
 
 // acc[g] += sum_t P[g][t] * V_t (fp16 values)
 template <int GT>
-static void pv_fp16(const Layout& L, const uint8_t* head, int n, const float* P, float* acc, Prefetch& pf) {
+static void pv_fp16(const Layout& L, const uint8_t* head, int n, const float* P, int ps, float* acc, Prefetch& pf) {
   constexpr int DC = pv_chunk<GT>();
   const int D = L.head_dim;
   const uint16_t* Vr = reinterpret_cast<const uint16_t*>(head + L.v_off);
   int d0 = 0;
-  for (; d0 + DC * W <= D; d0 += DC * W) pv_fp16_chunk<GT, DC>(Vr, D, n, P, L.bsp, acc, d0, pf);
-  for (; d0 < D; d0 += W) pv_fp16_chunk<GT, 1>(Vr, D, n, P, L.bsp, acc, d0, pf);
+  for (; d0 + DC * W <= D; d0 += DC * W) pv_fp16_chunk<GT, DC>(Vr, D, n, P, ps, acc, d0, pf);
+  for (; d0 < D; d0 += W) pv_fp16_chunk<GT, 1>(Vr, D, n, P, ps, acc, d0, pf);
 }
 
 template <int GT, int GC, int QG>
@@ -263,7 +354,7 @@ static void pv_int4_groups(int D, int ng, int half_rt, int bsp, int n, const uin
 
 // acc[g] += sum_t (P[g][t] * scale_t) * u_t;  zacc[g][grp] (W lanes) += sum_t P[g][t] * zero_t
 template <int GT, int QG>
-static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P, float* Cc, float* acc,
+static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P, int ps, float* Cc, float* acc,
                     float* zacc, Prefetch& pf) {
   const int D = L.head_dim, bsp = L.bsp, qg = L.qgroup, ng = D / qg, half = qg / 2;
   const uint8_t* Vn = head + L.v_off;
@@ -274,7 +365,7 @@ static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P,
     for (int grp = 0; grp < ng; ++grp) {
       F z = V::load(zacc + (g * ng + grp) * W);
       for (int c0 = 0; c0 < nr; c0 += W) {
-        const F p = V::load(P + g * bsp + c0);
+        const F p = V::load(P + g * ps + c0);
         V::store(Cc + (g * ng + grp) * bsp + c0, V::mul(p, V::load_h(Vs + grp * bsp + c0)));
         z = V::fma(p, V::load_h(Vz + grp * bsp + c0), z);
       }
@@ -288,58 +379,67 @@ static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P,
     pv_int4_groups<GT, 1, QG>(D, ng, half, bsp, n, Vn, Cc, acc, pf);
 }
 
-// Running state of one kv head of an item (its G query heads), pointers into the
-// thread's scratch; P and Cc are per-block temporaries shared by the item's heads.
+// Running state of the rows (query heads) of an item: row rho = j * G + g is query head g
+// of the item's j-th kv head. P holds the current block's scores / probabilities per row.
 struct ItemState {
-  float *m, *l, *qsum, *acc, *zacc, *P, *Cc;
+  float *m, *l, *qsum, *acc, *zacc, *P, *Cc, *fs;
+  int32_t* limbs;  // integer path only: q of each row in fixed point (q_limbs)
 };
 
-// One block, GT query heads (a tile of the item's G heads starting at g0).
+// Scores of one block for GT query heads (rows rho.. of one kv head) into P (row stride ps).
 template <int GT>
-static void tile(const Layout& L, const uint8_t* head, int n, const float* q, const ItemState& st, int g0,
-                 int ng, Prefetch& pf) {
-  const int D = L.head_dim, bsp = L.bsp;
-  float* P = st.P + g0 * bsp;
-  float* acc = st.acc + g0 * D;
-  if (L.int4 && L.qgroup == 32)
-    scores_int4<GT, 32>(L, head, n, q + g0 * D, st.qsum + g0 * ng, P);
-  else if (L.int4)
-    scores_int4<GT, 0>(L, head, n, q + g0 * D, st.qsum + g0 * ng, P);
-  else
-    scores_fp16<GT>(L, head, n, q + g0 * D, P);
-  float corr[GT];
-  softmax_tile<GT>(P, bsp, n, st.m + g0, st.l + g0 * W, corr);
-  for (int g = 0; g < GT; ++g) {
-    if (corr[g] != 1.0f) {
-      const F c = V::set1(corr[g]);
-      for (int d = 0; d < D; d += W) V::store(acc + g * D + d, V::mul(c, V::load(acc + g * D + d)));
-      for (int i = 0; i < ng * W; i += W) {
-        float* z = st.zacc + (g0 + g) * ng * W + i;
-        V::store(z, V::mul(c, V::load(z)));
-      }
-    }
-  }
-  if (L.int4 && L.qgroup == 32)
-    pv_int4<GT, 32>(L, head, n, P, st.Cc, acc, st.zacc + g0 * ng * W, pf);
-  else if (L.int4)
-    pv_int4<GT, 0>(L, head, n, P, st.Cc, acc, st.zacc + g0 * ng * W, pf);
-  else
-    pv_fp16<GT>(L, head, n, P, acc, pf);
+static void score_tile(const Layout& L, const uint8_t* head, int n, const float* q, const ItemState& st, int rho,
+                       int ng, float* P, int ps) {
+  if (!L.int4) return scores_fp16<GT>(L, head, n, q, P, ps);
+#ifdef FD_VNNI
+  return scores_int4_vnni<GT>(L, head, n, st.limbs + rho * 3 * (L.head_dim / 4), st.fs + rho * ng,
+                              st.qsum + rho * ng, P, ps);
+#else
+  return scores_int4<GT>(L, head, n, q, st.qsum + rho * ng, P, ps);
+#endif
 }
 
-static void tile_any(int gt, const Layout& L, const uint8_t* head, int n, const float* q, const ItemState& st,
-                     int g0, int ng, Prefetch& pf) {
-  switch (gt) {
-    case 1: tile<1>(L, head, n, q, st, g0, ng, pf); break;
-    case 2: tile<2>(L, head, n, q, st, g0, ng, pf); break;
-    case 3: tile<3>(L, head, n, q, st, g0, ng, pf); break;
-    case 4: tile<4>(L, head, n, q, st, g0, ng, pf); break;
-    case 5: tile<5>(L, head, n, q, st, g0, ng, pf); break;
-    case 6: tile<6>(L, head, n, q, st, g0, ng, pf); break;
-    case 7: tile<7>(L, head, n, q, st, g0, ng, pf); break;
-    default: tile<8>(L, head, n, q, st, g0, ng, pf); break;
+// Online-softmax update of GT rows from rho over n positions of their P rows:
+// probabilities into P, and the rows' accumulators rescaled where their running max moved.
+template <int GT>
+static void softmax_rows(const Layout& L, int n, const ItemState& st, int rho, int ng, int ps) {
+  const int D = L.head_dim;
+  float corr[GT];
+  softmax_tile<GT>(st.P + rho * ps, ps, n, st.m + rho, st.l + rho * W, corr);
+  for (int g = 0; g < GT; ++g) {
+    if (corr[g] == 1.0f) continue;
+    const F c = V::set1(corr[g]);
+    float* acc = st.acc + (rho + g) * D;
+    for (int d = 0; d < D; d += W) V::store(acc + d, V::mul(c, V::load(acc + d)));
+    float* z = st.zacc + (rho + g) * ng * W;
+    for (int i = 0; i < ng * W; i += W) V::store(z + i, V::mul(c, V::load(z + i)));
   }
 }
+
+// P V of one block for GT rows from rho of one kv head; P is the block's slice of their rows.
+template <int GT>
+static void pv_tile(const Layout& L, const uint8_t* head, int n, const ItemState& st, int rho, int ng,
+                    const float* P, int ps, Prefetch& pf) {
+  float* acc = st.acc + rho * L.head_dim;
+  if (L.int4 && L.qgroup == 32)
+    pv_int4<GT, 32>(L, head, n, P, ps, st.Cc, acc, st.zacc + rho * ng * W, pf);
+  else if (L.int4)
+    pv_int4<GT, 0>(L, head, n, P, ps, st.Cc, acc, st.zacc + rho * ng * W, pf);
+  else
+    pv_fp16<GT>(L, head, n, P, ps, acc, pf);
+}
+
+#define FD_TILE_SWITCH(gt, call)            \
+  switch (gt) {                             \
+    case 1: call(1); break;                 \
+    case 2: call(2); break;                 \
+    case 3: call(3); break;                 \
+    case 4: call(4); break;                 \
+    case 5: call(5); break;                 \
+    case 6: call(6); break;                 \
+    case 7: call(7); break;                 \
+    default: call(8); break;                \
+  }
 
 static inline float* align16(float* p) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~static_cast<uintptr_t>(63));
@@ -352,28 +452,88 @@ static inline float* align16(float* p) {
 // slower), int4 flat from 8 KiB on and 1.6x slower at one region (2.5 KiB) ahead.
 constexpr size_t kPrefetchBytesFp16 = 8192, kPrefetchBytesInt4 = 16384;
 
+// The regions of an item in read order (chunks of NB blocks; inside a chunk, head by head,
+// and each head's blocks in turn), walked pf_regions ahead of the kernel for its software
+// prefetch: next() is the region to prefetch while the kernel does the P V of the current one.
+struct RegionWalk {
+  const Layout* L;
+  const uint8_t* pool;
+  const int32_t* table;
+  int h0, nh, nblk, NB;
+  int i0 = 0, j = 0, c = 0;  // the cursor: chunk start, head, block in chunk
+  const uint8_t* at(int blk, int head) const {
+    return pool + static_cast<size_t>(table[blk]) * L->block_bytes + static_cast<size_t>(h0 + head) * L->head_bytes;
+  }
+  void advance() {
+    const int nb = nblk - i0 < NB ? nblk - i0 : NB;
+    if (++c < nb) return;
+    c = 0;
+    if (++j < nh) return;
+    j = 0;
+    i0 += NB;
+  }
+  Prefetch next(int lines_per_token) {
+    Prefetch pf;
+    if (i0 < nblk) {
+      pf.cur = at(i0 + c, j);
+      pf.end = pf.cur + L->head_bytes;
+      pf.per_step = lines_per_token;
+      advance();
+    }
+    return pf;
+  }
+};
+
+// One chunk (blocks i0 .. i0 + nb) of GT rows from rho, all of kv head j: the scores of every
+// block, one softmax update, then P V block by block, prefetching from pfw (if given).
+template <int GT>
+static void chunk_tile(const RegionWalk& w, int i0, int nb, int j, int ntok, const float* q, const ItemState& st,
+                       int rho, int ng, int ps, RegionWalk* pfw, int pf_lines) {
+  const Layout& L = *w.L;
+  const int bs = L.block_size, bsp = L.bsp;
+  float* P = st.P + rho * ps;
+  int n_all = 0;
+  for (int c = 0; c < nb; ++c) {
+    const int n = ntok - (i0 + c) * bs < bs ? ntok - (i0 + c) * bs : bs;
+    score_tile<GT>(L, w.at(i0 + c, j), n, q, st, rho, ng, P + c * bsp, ps);
+    if (c < nb - 1 && n < bsp)  // a short block inside the chunk: no token at its tail
+      for (int g = 0; g < GT; ++g)
+        for (int t = n; t < bsp; ++t) P[g * ps + c * bsp + t] = -__builtin_inff();
+    n_all = c * bsp + n;
+  }
+  softmax_rows<GT>(L, n_all, st, rho, ng, ps);
+  for (int c = 0; c < nb; ++c) {
+    const int n = ntok - (i0 + c) * bs < bs ? ntok - (i0 + c) * bs : bs;
+    Prefetch pf = pfw ? pfw->next(pf_lines) : Prefetch();
+    pv_tile<GT>(L, w.at(i0 + c, j), n, st, rho, ng, P + c * bsp, ps, pf);
+  }
+}
+
+
 // Work items [begin, end) of the job; scratch holds scratch_floats(L, G, J.head_span) floats.
 // Item i is (sequence i / spans, kv heads [h0, h0 + head_span) with h0 = (i % spans) * head_span).
-// Blocks are walked outermost and the item's heads inside each block, so the reads of one
-// block are one contiguous run of head_span regions (a block stores its heads side by side).
+// The item's blocks are walked in chunks of NB, and each chunk head by head: the scores of
+// the head's NB regions, one softmax update, then their P V. The regions of a chunk lie side by
+// side within each block (a block stores its heads next to each other).
 static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
   const Layout& L = *J.L;
   const int D = L.head_dim, G = J.G, Hkv = L.num_kv_heads, bs = L.block_size, bsp = L.bsp;
   const int ng = L.int4 ? D / L.qgroup : 0;
   const int span = J.head_span, spans = (Hkv + span - 1) / span;
-  ItemState st[kMaxHeadSpan];
-  float* s = align16(scratch);
-  float* P = s;  s = align16(s + G * bsp);
-  float* Cc = s; s = align16(s + 8 * ng * bsp);
-  for (int j = 0; j < span; ++j) {
-    st[j].P = P;
-    st[j].Cc = Cc;
-    st[j].m = s;        s = align16(s + G);
-    st[j].l = s;        s = align16(s + G * W);
-    st[j].qsum = s;     s = align16(s + G * ng);
-    st[j].acc = s;      s = align16(s + G * D);
-    st[j].zacc = s;     s = align16(s + G * ng * 16);
-  }
+  const int NB = L.int4 ? kChunkBlocksInt4 : kChunkBlocksFp16, ps = NB * bsp;  // ps: P row stride
+  float* sp = align16(scratch);
+  auto take = [&sp](size_t floats) { float* p = sp; sp = align16(sp + floats); return p; };
+  const int rows = span * G;
+  ItemState st;
+  st.acc = take(static_cast<size_t>(rows) * D);
+  st.P = take(static_cast<size_t>(rows) * ps);
+  st.Cc = take(static_cast<size_t>(8) * ng * bsp);
+  st.m = take(rows);
+  st.l = take(static_cast<size_t>(rows) * W);
+  st.qsum = take(static_cast<size_t>(rows) * ng);
+  st.zacc = take(static_cast<size_t>(rows) * ng * 16);
+  st.fs = take(static_cast<size_t>(rows) * ng);
+  st.limbs = reinterpret_cast<int32_t*>(take(static_cast<size_t>(rows) * 3 * (D / 4)));
   const size_t pf_bytes = L.int4 ? kPrefetchBytesInt4 : kPrefetchBytesFp16;
   const int pf_regions = static_cast<int>((pf_bytes + L.head_bytes - 1) / L.head_bytes);
   const int pf_lines = static_cast<int>((L.head_bytes / 64 + bs - 1) / bs);  // per token of a region
@@ -383,51 +543,44 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
     const int ntok = J.lens[b];
     const int32_t* table = J.tables[b];
     const float* qb = J.q + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h0) * G) * D;
-    for (int j = 0; j < nh; ++j) {
-      ItemState& t = st[j];
-      const float* q = qb + static_cast<size_t>(j) * G * D;
-      for (int g = 0; g < G; ++g) t.m[g] = -__builtin_inff();
-      for (int i = 0; i < G * W; ++i) t.l[i] = 0.0f;
-      for (int i = 0; i < G * D; ++i) t.acc[i] = 0.0f;
-      for (int i = 0; i < G * ng * W; ++i) t.zacc[i] = 0.0f;
-      for (int g = 0; g < G; ++g)
-        for (int grp = 0; grp < ng; ++grp) {
-          float sum = 0.0f;
-          for (int d = 0; d < L.qgroup; ++d) sum += q[g * D + grp * L.qgroup + d];
-          t.qsum[g * ng + grp] = sum;
-        }
-    }
+    const int nrows = nh * G;  // the item's query heads are consecutive in q: row rho is qb + rho * D
+    for (int rho = 0; rho < nrows; ++rho) st.m[rho] = -__builtin_inff();
+    std::memset(st.l, 0, sizeof(float) * nrows * W);
+    std::memset(st.acc, 0, sizeof(float) * nrows * D);
+    std::memset(st.zacc, 0, sizeof(float) * nrows * ng * W);
+    for (int rho = 0; rho < nrows; ++rho)
+      for (int grp = 0; grp < ng; ++grp) {
+        float sum = 0.0f;
+        for (int d = 0; d < L.qgroup; ++d) sum += qb[rho * D + grp * L.qgroup + d];
+        st.qsum[rho * ng + grp] = sum;
+      }
+#ifdef FD_VNNI
+    if (L.int4) q_limbs(qb, nrows, D, st.limbs, st.fs);
+#endif
     const int nblk = (ntok + bs - 1) / bs;
-    const int nregions = nblk * nh;
-    for (int i = 0, r = 0; i < nblk; ++i) {
-      const uint8_t* base = J.pool + static_cast<size_t>(table[i]) * L.block_bytes +
-                            static_cast<size_t>(h0) * L.head_bytes;
-      const int n = ntok - i * bs < bs ? ntok - i * bs : bs;
-      for (int j = 0; j < nh; ++j, ++r) {
-        Prefetch pf;  // region r + pf_regions, spread over this region's PV token loop
-        if (r + pf_regions < nregions) {
-          const int ra = r + pf_regions, ia = ra / nh, ja = ra % nh;
-          pf.cur = J.pool + static_cast<size_t>(table[ia]) * L.block_bytes +
-                   static_cast<size_t>(h0 + ja) * L.head_bytes;
-          pf.end = pf.cur + L.head_bytes;
-          pf.per_step = pf_lines;
+    const RegionWalk walk{&L, J.pool, table, h0, nh, nblk, NB};
+    RegionWalk ahead = walk;
+    for (int i = 0; i < pf_regions; ++i) ahead.advance();
+    for (int i0 = 0; i0 < nblk; i0 += NB) {
+      const int nb = nblk - i0 < NB ? nblk - i0 : NB;
+      for (int j = 0; j < nh; ++j)
+        for (int g0 = 0; g0 < G; g0 += 8) {  // tiles of at most 8 rows (all of them, for G <= 8)
+          const int rho = j * G + g0;
+          const float* q = qb + static_cast<size_t>(rho) * D;
+#define FD_CALL(T) chunk_tile<T>(walk, i0, nb, j, ntok, q, st, rho, ng, ps, g0 == 0 ? &ahead : nullptr, pf_lines)
+          FD_TILE_SWITCH(G - g0 < 8 ? G - g0 : 8, FD_CALL)
+#undef FD_CALL
         }
-        const uint8_t* head = base + static_cast<size_t>(j) * L.head_bytes;
-        const float* q = qb + static_cast<size_t>(j) * G * D;
-        for (int g0 = 0; g0 < G; g0 += 8) tile_any(G - g0 < 8 ? G - g0 : 8, L, head, n, q, st[j], g0, ng, pf);
-      }
     }
-    for (int j = 0; j < nh; ++j) {
-      ItemState& t = st[j];
-      float* out = J.out + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h0 + j) * G) * D;
-      for (int g = 0; g < G; ++g) {
-        const float inv = 1.0f / V::hsum(V::load(t.l + g * W));
-        for (int grp = 0; grp < ng; ++grp) {
-          const float z = V::hsum(V::load(t.zacc + (g * ng + grp) * W));
-          for (int d = grp * L.qgroup; d < (grp + 1) * L.qgroup; ++d) t.acc[g * D + d] += z;
-        }
-        for (int d = 0; d < D; ++d) out[g * D + d] = t.acc[g * D + d] * inv;
+    for (int rho = 0; rho < nrows; ++rho) {
+      float* out = J.out + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h0) * G + rho) * D;
+      float* acc = st.acc + rho * D;
+      const float inv = 1.0f / V::hsum(V::load(st.l + rho * W));
+      for (int grp = 0; grp < ng; ++grp) {
+        const float z = V::hsum(V::load(st.zacc + (rho * ng + grp) * W));
+        for (int d = grp * L.qgroup; d < (grp + 1) * L.qgroup; ++d) acc[d] += z;
       }
+      for (int d = 0; d < D; ++d) out[d] = acc[d] * inv;
     }
   }
 }

@@ -25,6 +25,10 @@ struct V {
     hi = static_cast<float>(p[0] >> 4);
   }
   static inline void prefetch(const void* p) { __builtin_prefetch(p); }
+  typedef uint32_t I;
+  static inline I load_u32(const uint32_t* p) { return *p; }
+  template <int S>
+  static inline F nib_at(I x) { return static_cast<float>((x >> S) & 15u); }
 };
 
 #include "attention_impl.h"

@@ -62,6 +62,8 @@ class PyKVStore {
       if (num_layers < 1 || num_kv_heads < 1 || head_dim < 1 || block_size < 1)
         throw py::value_error("num_layers, num_kv_heads, head_dim and block_size must be >= 1");
       chosen = fd::best_isa(fd::Layout::make(num_kv_heads, head_dim, block_size, int4));
+    } else if (isa == "avx512vnni") {
+      chosen = fd::Isa::avx512vnni;
     } else if (isa == "avx512") {
       chosen = fd::Isa::avx512;
     } else if (isa == "avx2") {
@@ -69,7 +71,7 @@ class PyKVStore {
     } else if (isa == "scalar") {
       chosen = fd::Isa::scalar;
     } else {
-      throw py::value_error("isa must be 'auto', 'avx512', 'avx2' or 'scalar', got '" + isa + "'");
+      throw py::value_error("isa must be 'auto', 'avx512vnni', 'avx512', 'avx2' or 'scalar', got '" + isa + "'");
     }
     store_ = std::make_unique<fd::KVStore>(num_layers, num_kv_heads, head_dim, static_cast<size_t>(capacity_bytes),
                                            block_size, int4, num_threads, chosen);
@@ -78,6 +80,7 @@ class PyKVStore {
 
   std::string isa() const {
     switch (store_->isa()) {
+      case fd::Isa::avx512vnni: return "avx512vnni";
       case fd::Isa::avx512: return "avx512";
       case fd::Isa::avx2: return "avx2";
       default: return "scalar";
@@ -273,6 +276,7 @@ PYBIND11_MODULE(_kernels, m) {
   });
   m.def("cpu_supports", [](const std::string& isa) {
     const auto L = fd::Layout::make(1, 64, 16, false);
+    if (isa == "avx512vnni") return fd::isa_supported(fd::Isa::avx512vnni, L, nullptr);
     if (isa == "avx512") return fd::isa_supported(fd::Isa::avx512, L, nullptr);
     if (isa == "avx2") return fd::isa_supported(fd::Isa::avx2, L, nullptr);
     if (isa == "scalar") return true;

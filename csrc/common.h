@@ -14,7 +14,7 @@
 
 namespace fd {
 
-enum class Isa { scalar = 0, avx2 = 1, avx512 = 2 };
+enum class Isa { scalar = 0, avx2 = 1, avx512 = 2, avx512vnni = 3 };
 
 // Thrown by the store; the bindings map them to KeyError / ValueError / KVCapacityError.
 struct KeyErr : std::runtime_error { using std::runtime_error::runtime_error; };
@@ -71,7 +71,8 @@ inline float h2f(uint16_t h) {
 //
 //   fp16:  K [D][bsp] (transposed: a row is one channel of bsp tokens)
 //          V [bs][D]
-//   int4:  K nibbles [D/2][bsp]   byte t of row r = channel 2r (low), 2r+1 (high) of token t
+//   int4:  K nibbles [D/8][bsp] u32: word t of row r = channels 8r..8r+7 of token t; its byte b
+//                                  holds channel 8r+b (low nibble) and 8r+4+b (high nibble)
 //          K scale, zero [D/qg][bsp] fp16     (one group = qg channels of one token)
 //          V nibbles [bs][D/2]    per token and group: byte j = channel j (low), j+qg/2 (high)
 //          V scale, zero [D/qg][bsp] fp16
@@ -116,6 +117,12 @@ struct Layout {
 // Most kv heads one work item walks together (see run_items).
 constexpr int kMaxHeadSpan = 64;
 
+// Blocks per chunk: the blocks of one kv head whose scores share one softmax update (see
+// run_items). An int4 region (block, kv head) is small (2.5 KiB at D=128 and 16 tokens), and one
+// softmax update per region cost a quarter of the int4 time. fp16 is bound by memory, and
+// reading its regions in chunk order defeats its prefetch (one region ahead): it keeps 1.
+constexpr int kChunkBlocksInt4 = 4, kChunkBlocksFp16 = 1;
+
 // One attention call over a batch, as the kernels see it. Work item i is (sequence
 // i / spans, kv heads [h0, h0 + head_span)), spans = ceil(num_kv_heads / head_span),
 // h0 = (i % spans) * head_span.
@@ -133,9 +140,11 @@ struct AttnJob {
 // Floats of scratch one thread needs for items of this shape (see run_items): per-block
 // temporaries shared by the item's heads, and the running state of each head.
 inline size_t scratch_floats(const Layout& L, int G, int head_span) {
-  const size_t D = L.head_dim, bsp = L.bsp, ng = L.int4 ? D / L.qgroup : 0;
-  const size_t per_head = G + G * 16 + G * ng + G * D + G * ng * 16 + 5 * 16;
-  return 16 * 3 + G * bsp + 8 * ng * bsp + head_span * per_head + 64;
+  const size_t D = L.head_dim, bsp = L.bsp, ng = L.int4 ? D / L.qgroup : 0, rows = size_t(G) * head_span;
+  // P (a chunk of blocks), m, l, qsum, acc, zacc, fs, limbs per row; Cc for a tile of 8;
+  // 64-byte alignment of 10 arrays
+  const size_t chunk = L.int4 ? kChunkBlocksInt4 : kChunkBlocksFp16;
+  return rows * (chunk * bsp + 1 + 16 + ng + D + ng * 16 + ng + 3 * (D / 4)) + 8 * ng * bsp + 16 * 10;
 }
 
 using ItemsFn = void (*)(const AttnJob&, int begin, int end, float* scratch);
@@ -144,5 +153,6 @@ using ItemsFn = void (*)(const AttnJob&, int begin, int end, float* scratch);
 ItemsFn scalar_items();
 ItemsFn avx2_items();
 ItemsFn avx512_items();
+ItemsFn avx512vnni_items();
 
 }  // namespace fd

@@ -109,11 +109,21 @@ bool isa_supported(Isa isa, const Layout& L, std::string* why) {
 #else
       return no("avx512 kernels not built for this target");
 #endif
+    case Isa::avx512vnni:
+#if defined(__x86_64__)
+      if (!avx512vnni_items()) return no("avx512vnni kernels not built for this target");
+      if (!isa_supported(Isa::avx512, L, why)) return false;
+      if (!__builtin_cpu_supports("avx512vnni")) return no("this CPU lacks avx512vnni");
+      return true;
+#else
+      return no("avx512vnni kernels not built for this target");
+#endif
   }
   return no("unknown isa");
 }
 
 Isa best_isa(const Layout& L) {
+  if (isa_supported(Isa::avx512vnni, L, nullptr)) return Isa::avx512vnni;
   if (isa_supported(Isa::avx512, L, nullptr)) return Isa::avx512;
   if (isa_supported(Isa::avx2, L, nullptr)) return Isa::avx2;
   return Isa::scalar;
@@ -132,7 +142,10 @@ KVStore::KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity
   L_ = Layout::make(num_kv_heads, head_dim, block_size, int4);
   std::string why;
   if (!isa_supported(isa, L_, &why)) throw ValueErr("isa not supported: " + why);
-  items_ = isa == Isa::avx512 ? avx512_items() : isa == Isa::avx2 ? avx2_items() : scalar_items();
+  items_ = isa == Isa::avx512vnni ? avx512vnni_items()
+           : isa == Isa::avx512   ? avx512_items()
+           : isa == Isa::avx2     ? avx2_items()
+                                  : scalar_items();
 
   const size_t nb = capacity_bytes / L_.block_bytes;
   if (nb < 1)
@@ -287,7 +300,7 @@ void KVStore::write_token(Seq& s, int layer, int pos, const Input& k, const Inpu
     else
       std::memcpy(vx, static_cast<const float*>(v.data) + base, static_cast<size_t>(D) * 4);
     const int qg = L_.qgroup, half = qg / 2, ng = D / qg;
-    uint8_t* Kn = head + L_.k_off;
+    uint32_t* Kn = reinterpret_cast<uint32_t*>(head + L_.k_off);
     uint16_t* Ks = reinterpret_cast<uint16_t*>(head + L_.ks_off);
     uint16_t* Kz = reinterpret_cast<uint16_t*>(head + L_.kz_off);
     uint8_t* Vn = head + L_.v_off + static_cast<size_t>(slot) * (D / 2);
@@ -296,8 +309,12 @@ void KVStore::write_token(Seq& s, int layer, int pos, const Input& k, const Inpu
     uint8_t u[32];
     for (int g = 0; g < ng; ++g) {
       quantize_group(kx + g * qg, qg, u, &Ks[g * bsp + slot], &Kz[g * bsp + slot]);
-      for (int r = 0; r < half; ++r)
-        Kn[static_cast<size_t>(g * half + r) * bsp + slot] = static_cast<uint8_t>(u[2 * r] | (u[2 * r + 1] << 4));
+      for (int r = 0; r < qg / 8; ++r) {
+        const uint8_t* c = u + 8 * r;
+        uint32_t w = 0;
+        for (int b = 0; b < 4; ++b) w |= static_cast<uint32_t>(c[b] | (c[4 + b] << 4)) << (8 * b);
+        Kn[static_cast<size_t>(g * qg / 8 + r) * bsp + slot] = w;
+      }
       quantize_group(vx + g * qg, qg, u, &Vs[g * bsp + slot], &Vz[g * bsp + slot]);
       for (int j = 0; j < half; ++j) Vn[g * half + j] = static_cast<uint8_t>(u[j] | (u[half + j] << 4));
     }
@@ -491,7 +508,7 @@ void KVStore::read(int64_t id, int layer, std::vector<float>* k, std::vector<flo
         continue;
       }
       const int qg = L_.qgroup, half = qg / 2;
-      const uint8_t* Kn = head + L_.k_off;
+      const uint32_t* Kn = reinterpret_cast<const uint32_t*>(head + L_.k_off);
       const uint16_t* Ks = reinterpret_cast<const uint16_t*>(head + L_.ks_off);
       const uint16_t* Kz = reinterpret_cast<const uint16_t*>(head + L_.kz_off);
       const uint8_t* Vn = head + L_.v_off + static_cast<size_t>(slot) * (D / 2);
@@ -499,8 +516,8 @@ void KVStore::read(int64_t id, int layer, std::vector<float>* k, std::vector<flo
       const uint16_t* Vz = reinterpret_cast<const uint16_t*>(head + L_.vz_off);
       for (int d = 0; d < D; ++d) {
         const int g = d / qg, j = d % qg;
-        const uint8_t kb = Kn[static_cast<size_t>(d / 2) * bsp + slot];
-        const int ku = d % 2 ? kb >> 4 : kb & 15;
+        const uint32_t kw = Kn[static_cast<size_t>(d / 8) * bsp + slot];
+        const int ku = static_cast<int>(kw >> (8 * (d % 4) + 4 * ((d % 8) / 4))) & 15;
         ko[d] = h2f(Ks[g * bsp + slot]) * ku + h2f(Kz[g * bsp + slot]);
         const uint8_t vb = Vn[g * half + j % half];
         const int vu = j < half ? vb & 15 : vb >> 4;

@@ -9,8 +9,12 @@ float16); contiguous inputs are passed to C++ without copies.
 `reference_attention` below is what every kernel path computes.
 
 Kernel paths (chosen at run time from the CPU's features, or forced with
-`isa=`): "avx512" (AVX-512 F/BW/VL/DQ, 16 lanes), "avx2" (AVX2 + FMA + F16C,
-8 lanes; the paper's ISA) and "scalar" (any CPU). All compute in fp32.
+`isa=`): "avx512vnni" (as avx512, with int4 key scores as AVX512-VNNI integer dot
+products), "avx512" (AVX-512 F/BW/VL/DQ, 16 lanes), "avx2" (AVX2 + FMA + F16C,
+8 lanes; the paper's ISA) and "scalar" (any CPU). All compute in fp32, except
+that avx512vnni holds q for int4 key scores in 24-bit fixed point per group of 32
+channels (three signed-byte limbs; error at most half an fp32 ulp of the group's
+largest |q|), sums q . u exactly in int32 and converts once per group.
 
 int4 format: asymmetric, per token, groups of 32 channels (16 when head_dim is
 not a multiple of 32), for keys and values alike; scale and zero point stored
@@ -39,7 +43,7 @@ import numpy as np
 
 from fastdecode import _kernels
 
-ISAS = ("auto", "avx512", "avx2", "scalar")
+ISAS = ("auto", "avx512vnni", "avx512", "avx2", "scalar")
 KV_FORMATS = ("fp16", "int4")
 
 
@@ -143,7 +147,7 @@ class KVStore:
 
     @property
     def isa(self) -> str:
-        """The kernel path in use: "avx512" | "avx2" | "scalar"."""
+        """The kernel path in use: "avx512vnni" | "avx512" | "avx2" | "scalar"."""
         return self._s.isa
 
     @property

@@ -33,7 +33,7 @@ def rel(a, b) -> float:
 
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_supports(isa), reason=f"CPU lacks {isa}"))
-        for isa in ("scalar", "avx2", "avx512")]
+        for isa in ("scalar", "avx2", "avx512", "avx512vnni")]
 FP16_TOL = 1e-3
 INT4_TOL = 2e-5  # fp32 rounding over sums of up to a few thousand terms
 BS = 16
@@ -103,8 +103,8 @@ def test_random_shapes(seed):
     v = rng.standard_normal((sum(lens), hkv, d)).astype(np.float32)
     q = rng.standard_normal((len(ids), group * hkv, d)).astype(np.float32)
     outs = {}
-    for isa in ("scalar", "avx2", "avx512"):
-        if not cpu_supports(isa) or (isa != "scalar" and d % 16) or (isa == "avx512" and fmt == "int4" and d % 32):
+    for isa in ("scalar", "avx2", "avx512", "avx512vnni"):
+        if not cpu_supports(isa) or (isa != "scalar" and d % 16) or (isa.startswith("avx512") and fmt == "int4" and d % 32):
             continue
         store = make_store(hkv, d, fmt, isa, layers=1, block_size=bs)
         store.create(ids)
@@ -386,7 +386,7 @@ def test_bad_construction():
         KVStore(0, 2, 64, 1 << 20)
     with pytest.raises(ValueError):
         KVStore(1, 2, 24, 1 << 20, kv_format="int4")  # int4 groups need head_dim % 16 == 0
-    for isa in ("avx2", "avx512"):
+    for isa in ("avx2", "avx512", "avx512vnni"):
         with pytest.raises(ValueError):
             KVStore(1, 2, 24, 1 << 20, isa=isa)  # vector paths need head_dim % 16 == 0
     odd = KVStore(1, 2, 24, 1 << 20, num_threads=1)  # odd head_dim: scalar path, still correct
