@@ -155,8 +155,8 @@ static void scores_int4_vnni(const Layout& L, const uint8_t* head, int n, const 
   const uint16_t* Ks = reinterpret_cast<const uint16_t*>(head + L.ks_off);
   const uint16_t* Kz = reinterpret_cast<const uint16_t*>(head + L.kz_off);
   for (int c0 = 0; c0 < n; c0 += W) {
-    F s[GT];
-    for (int g = 0; g < GT; ++g) s[g] = V::zero();
+    F s[GT][2], z[GT];  // two chains for the scale terms (even / odd groups), one for the zero terms
+    for (int g = 0; g < GT; ++g) s[g][0] = s[g][1] = z[g] = V::zero();
     for (int grp = 0; grp < ng; ++grp) {
       typename V::I a[GT][3][CH];
       for (int g = 0; g < GT; ++g)
@@ -185,11 +185,11 @@ static void scores_int4_vnni(const Layout& L, const uint8_t* head, int n, const 
         }
         // |C| < 2^16 and |B| * 2^8 < 2^24: the inner sum is exact; one rounding in the outer.
         const F dot = V::fma(V::cvt(A), V::set1(65536.0f), V::fma(V::cvt(B), V::set1(256.0f), V::cvt(C)));
-        s[g] = V::fma(ks, V::mul(dot, V::set1(fs[g * ng + grp])), s[g]);
-        s[g] = V::fma(kz, V::set1(qsum[g * ng + grp]), s[g]);
+        s[g][grp & 1] = V::fma(ks, V::mul(dot, V::set1(fs[g * ng + grp])), s[g][grp & 1]);
+        z[g] = V::fma(kz, V::set1(qsum[g * ng + grp]), z[g]);
       }
     }
-    for (int g = 0; g < GT; ++g) V::store(P + g * ps + c0, s[g]);
+    for (int g = 0; g < GT; ++g) V::store(P + g * ps + c0, V::add(V::add(s[g][0], s[g][1]), z[g]));
   }
 }
 #endif
@@ -457,6 +457,7 @@ constexpr size_t kPrefetchBytesFp16 = 8192, kPrefetchBytesInt4 = 16384;
 // prefetch: next() is the region to prefetch while the kernel does the P V of the current one.
 struct RegionWalk {
   const Layout* L;
+  const Layout* T;  // fp16 tails (AttnJob::T)
   const uint8_t* pool;
   const int32_t* table;
   int h0, nh, nblk, NB;
@@ -488,24 +489,26 @@ struct RegionWalk {
 // block, one softmax update, then P V block by block, prefetching from pfw (if given).
 template <int GT>
 static void chunk_tile(const RegionWalk& w, int i0, int nb, int j, int ntok, const float* q, const ItemState& st,
-                       int rho, int ng, int ps, RegionWalk* pfw, int pf_lines) {
-  const Layout& L = *w.L;
-  const int bs = L.block_size, bsp = L.bsp;
+                       int rho, int ng, int ps, RegionWalk* pfw, int pf_lines, const uint8_t* tail) {
+  const int bs = w.L->block_size, bsp = w.L->bsp;
   float* P = st.P + rho * ps;
   int n_all = 0;
   for (int c = 0; c < nb; ++c) {
     const int n = ntok - (i0 + c) * bs < bs ? ntok - (i0 + c) * bs : bs;
-    score_tile<GT>(L, w.at(i0 + c, j), n, q, st, rho, ng, P + c * bsp, ps);
+    const bool t = tail && i0 + c == w.nblk - 1;  // the fp16 copy of the newest block
+    const Layout& L = t ? *w.T : *w.L;
+    score_tile<GT>(L, t ? tail : w.at(i0 + c, j), n, q, st, rho, ng, P + c * bsp, ps);
     if (c < nb - 1 && n < bsp)  // a short block inside the chunk: no token at its tail
       for (int g = 0; g < GT; ++g)
         for (int t = n; t < bsp; ++t) P[g * ps + c * bsp + t] = -__builtin_inff();
     n_all = c * bsp + n;
   }
-  softmax_rows<GT>(L, n_all, st, rho, ng, ps);
+  softmax_rows<GT>(*w.L, n_all, st, rho, ng, ps);
   for (int c = 0; c < nb; ++c) {
     const int n = ntok - (i0 + c) * bs < bs ? ntok - (i0 + c) * bs : bs;
+    const bool t = tail && i0 + c == w.nblk - 1;
     Prefetch pf = pfw ? pfw->next(pf_lines) : Prefetch();
-    pv_tile<GT>(L, w.at(i0 + c, j), n, st, rho, ng, P + c * bsp, ps, pf);
+    pv_tile<GT>(t ? *w.T : *w.L, t ? tail : w.at(i0 + c, j), n, st, rho, ng, P + c * bsp, ps, pf);
   }
 }
 
@@ -558,7 +561,9 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
     if (L.int4) q_limbs(qb, nrows, D, st.limbs, st.fs);
 #endif
     const int nblk = (ntok + bs - 1) / bs;
-    const RegionWalk walk{&L, J.pool, table, h0, nh, nblk, NB};
+    const RegionWalk walk{&L, J.T, J.pool, table, h0, nh, nblk, NB};
+    const int32_t tb = J.tails ? J.tails[b] : -1;
+    const uint8_t* tail0 = tb >= 0 ? J.tail_pool + static_cast<size_t>(tb) * J.T->block_bytes : nullptr;
     RegionWalk ahead = walk;
     for (int i = 0; i < pf_regions; ++i) ahead.advance();
     for (int i0 = 0; i0 < nblk; i0 += NB) {
@@ -567,7 +572,8 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
         for (int g0 = 0; g0 < G; g0 += 8) {  // tiles of at most 8 rows (all of them, for G <= 8)
           const int rho = j * G + g0;
           const float* q = qb + static_cast<size_t>(rho) * D;
-#define FD_CALL(T) chunk_tile<T>(walk, i0, nb, j, ntok, q, st, rho, ng, ps, g0 == 0 ? &ahead : nullptr, pf_lines)
+          const uint8_t* tail = tail0 ? tail0 + static_cast<size_t>(h0 + j) * J.T->head_bytes : nullptr;
+#define FD_CALL(T) chunk_tile<T>(walk, i0, nb, j, ntok, q, st, rho, ng, ps, g0 == 0 ? &ahead : nullptr, pf_lines, tail)
           FD_TILE_SWITCH(G - g0 < 8 ? G - g0 : 8, FD_CALL)
 #undef FD_CALL
         }

@@ -52,7 +52,7 @@ const int64_t* int_input(const py::array& a, const char* name) {
 class PyKVStore {
  public:
   PyKVStore(int num_layers, int num_kv_heads, int head_dim, int64_t capacity_bytes, int block_size,
-            const std::string& kv_format, int num_threads, const std::string& isa) {
+            const std::string& kv_format, int num_threads, const std::string& isa, bool fp16_tail) {
     if (kv_format != "fp16" && kv_format != "int4")
       throw py::value_error("kv_format must be 'fp16' or 'int4', got '" + kv_format + "'");
     if (capacity_bytes <= 0) throw py::value_error("capacity_bytes must be > 0");
@@ -74,7 +74,7 @@ class PyKVStore {
       throw py::value_error("isa must be 'auto', 'avx512vnni', 'avx512', 'avx2' or 'scalar', got '" + isa + "'");
     }
     store_ = std::make_unique<fd::KVStore>(num_layers, num_kv_heads, head_dim, static_cast<size_t>(capacity_bytes),
-                                           block_size, int4, num_threads, chosen);
+                                           block_size, int4, num_threads, chosen, fp16_tail);
     kv_format_ = kv_format;
   }
 
@@ -205,6 +205,8 @@ class PyKVStore {
     d["blocks_total"] = s.blocks_total;
     d["bytes_used"] = s.bytes_used;
     d["capacity_bytes"] = s.capacity_bytes;
+    d["tail_blocks_used"] = s.tail_blocks_used;
+    d["tail_blocks_total"] = s.tail_blocks_total;
     return d;
   }
 
@@ -299,9 +301,10 @@ PYBIND11_MODULE(_kernels, m) {
           },
           py::arg("threads"), "GB/s of one pass over the buffer with `threads` threads");
   py::class_<PyKVStore>(m, "KVStore")
-      .def(py::init<int, int, int, int64_t, int, const std::string&, int, const std::string&>(), py::arg("num_layers"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("capacity_bytes"), py::arg("block_size") = 16,
-           py::arg("kv_format") = "fp16", py::arg("num_threads") = 0, py::arg("isa") = "auto")
+      .def(py::init<int, int, int, int64_t, int, const std::string&, int, const std::string&, bool>(),
+           py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("capacity_bytes"),
+           py::arg("block_size") = 16, py::arg("kv_format") = "fp16", py::arg("num_threads") = 0,
+           py::arg("isa") = "auto", py::arg("fp16_tail") = false)
       .def_property_readonly("isa", &PyKVStore::isa)
       .def_property_readonly("num_layers", &PyKVStore::num_layers)
       .def_property_readonly("num_kv_heads", &PyKVStore::num_kv_heads)

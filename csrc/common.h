@@ -135,6 +135,11 @@ struct AttnJob {
   float* out = nullptr;                    // [B, H, D]
   const int32_t* const* tables = nullptr;  // [B] -> block ids of the sequence at this layer
   const int32_t* lens = nullptr;           // [B] tokens in the cache
+  // int4 with fp16 tails: tails[b] >= 0 is the fp16 copy (layout *T, pool tail_pool) of the last
+  // block of sequence b, read instead of its int4 block; nullptr or -1: none.
+  const Layout* T = nullptr;
+  const uint8_t* tail_pool = nullptr;
+  const int32_t* tails = nullptr;
 };
 
 // Floats of scratch one thread needs for items of this shape (see run_items): per-block

@@ -18,6 +18,9 @@ namespace {
 
 constexpr size_t kHugePage = size_t(2) << 20;
 
+// int4 with fp16 tails: the staging area takes 1/kTailShare of the capacity.
+constexpr size_t kTailShare = 8;
+
 // Below this many (token x kv head) per call, waking the other threads costs more than it saves.
 constexpr int64_t kParallelMin = 4096;
 
@@ -130,7 +133,7 @@ Isa best_isa(const Layout& L) {
 }
 
 KVStore::KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity_bytes, int block_size, bool int4,
-                 int num_threads, Isa isa)
+                 int num_threads, Isa isa, bool fp16_tail)
     : num_layers_(num_layers), isa_(isa), capacity_bytes_(capacity_bytes) {
   if (num_layers < 1 || num_kv_heads < 1 || head_dim < 1 || block_size < 1)
     throw ValueErr("num_layers, num_kv_heads, head_dim and block_size must be >= 1");
@@ -147,12 +150,16 @@ KVStore::KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity
            : isa == Isa::avx2     ? avx2_items()
                                   : scalar_items();
 
-  const size_t nb = capacity_bytes / L_.block_bytes;
+  T_ = Layout::make(num_kv_heads, head_dim, block_size, false);
+  const size_t tail_bytes = int4 && fp16_tail ? capacity_bytes / kTailShare : 0;
+  ntails_ = static_cast<int32_t>(std::min<size_t>(tail_bytes / T_.block_bytes, std::numeric_limits<int32_t>::max()));
+  const size_t nb = (capacity_bytes - static_cast<size_t>(ntails_) * T_.block_bytes) / L_.block_bytes;
   if (nb < 1)
     throw ValueErr("capacity_bytes " + std::to_string(capacity_bytes) + " is less than one block (" +
                    std::to_string(L_.block_bytes) + " bytes)");
   nblocks_ = static_cast<int32_t>(std::min<size_t>(nb, std::numeric_limits<int32_t>::max()));
-  const size_t used = static_cast<size_t>(nblocks_) * L_.block_bytes;
+  const size_t pool_bytes = static_cast<size_t>(nblocks_) * L_.block_bytes;
+  const size_t used = pool_bytes + static_cast<size_t>(ntails_) * T_.block_bytes;
   map_bytes_ = (used + kHugePage - 1) / kHugePage * kHugePage + kHugePage;
   void* mem = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (mem == MAP_FAILED) throw CapacityErr("cannot reserve " + std::to_string(map_bytes_) + " bytes for the KV pool");
@@ -163,6 +170,9 @@ KVStore::KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity
 #endif
   free_list_.resize(nblocks_);
   for (int32_t i = 0; i < nblocks_; ++i) free_list_[i] = nblocks_ - 1 - i;  // pop_back hands out 0, 1, 2, ...
+  tail_base_ = pool_base_ + pool_bytes;
+  tail_free_.resize(ntails_);
+  for (int32_t i = 0; i < ntails_; ++i) tail_free_[i] = ntails_ - 1 - i;
   set_threads(num_threads);
 }
 
@@ -173,9 +183,10 @@ void KVStore::close() {
   std::lock_guard<std::mutex> lk(mu_);
   pool_.reset();
   if (pool_mem_) munmap(pool_mem_, map_bytes_);
-  pool_mem_ = pool_base_ = nullptr;
+  pool_mem_ = pool_base_ = tail_base_ = nullptr;
   seqs_.clear();
   free_list_.clear();
+  tail_free_.clear();
 }
 
 void KVStore::set_threads(int num_threads) {
@@ -236,6 +247,7 @@ void KVStore::create(const int64_t* ids, int n) {
     Seq& s = seqs_[ids[i]];
     s.blocks.resize(num_layers_);
     s.len.assign(num_layers_, 0);
+    s.tail.assign(num_layers_, -1);
   }
 }
 
@@ -246,6 +258,8 @@ void KVStore::free(const int64_t* ids, int n) {
     if (it == seqs_.end()) continue;
     for (auto& layer_blocks : it->second.blocks)
       for (int32_t b : layer_blocks) free_list_.push_back(b);
+    for (int32_t t : it->second.tail)
+      if (t >= 0) tail_free_.push_back(t);
     seqs_.erase(it);
   }
 }
@@ -321,6 +335,24 @@ void KVStore::write_token(Seq& s, int layer, int pos, const Input& k, const Inpu
   }
 }
 
+void KVStore::write_tail(Seq& s, int layer, int pos, const Input& k, const Input& v, size_t src) {
+  const int D = T_.head_dim, Hkv = T_.num_kv_heads, bsp = T_.bsp, slot = pos % T_.block_size;
+  uint8_t* block = tail_base_ + static_cast<size_t>(s.tail[layer]) * T_.block_bytes;
+  alignas(64) uint16_t kh[4096], vh[4096];
+  for (int h = 0; h < Hkv; ++h) {
+    uint8_t* head = block + static_cast<size_t>(h) * T_.head_bytes;
+    const size_t base = (src * Hkv + h) * D;
+    const uint16_t *ks = kh, *vs = vh;
+    if (k.dtype == DType::f16) ks = static_cast<const uint16_t*>(k.data) + base;
+    else to_half(static_cast<const float*>(k.data) + base, kh, D);
+    if (v.dtype == DType::f16) vs = static_cast<const uint16_t*>(v.data) + base;
+    else to_half(static_cast<const float*>(v.data) + base, vh, D);
+    uint16_t* K = reinterpret_cast<uint16_t*>(head + T_.k_off);
+    for (int d = 0; d < D; ++d) K[static_cast<size_t>(d) * bsp + slot] = ks[d];
+    std::memcpy(head + T_.v_off + static_cast<size_t>(slot) * D * 2, vs, static_cast<size_t>(D) * 2);
+  }
+}
+
 void KVStore::append_locked(int layer, const std::vector<Seq*>& seqs, const int64_t* lens, Input k, Input v) {
   const int bs = L_.block_size;
   int64_t need = 0;
@@ -341,8 +373,21 @@ void KVStore::append_locked(int layer, const std::vector<Seq*>& seqs, const int6
       if (pos % bs == 0) {
         s.blocks[layer].push_back(free_list_.back());
         free_list_.pop_back();
+        if (bs > 1 && !tail_free_.empty()) {  // the new block gets an fp16 tail while there is room
+          s.tail[layer] = tail_free_.back();
+          tail_free_.pop_back();
+        }
       }
       write_token(s, layer, pos, k, v, src);
+      int32_t& tail = s.tail[layer];
+      if (tail >= 0) {
+        if ((pos + 1) % bs == 0) {  // the block is complete: its int4 copy is read from now on
+          tail_free_.push_back(tail);
+          tail = -1;
+        } else {
+          write_tail(s, layer, pos, k, v, src);
+        }
+      }
       s.len[layer] = pos + 1;
     }
   }
@@ -391,6 +436,10 @@ KVStore::Snapshot KVStore::snapshot_locked(int layer, const std::vector<Seq*>& s
   }
   snap.tables.resize(B);
   for (int b = 0; b < B; ++b) snap.tables[b] = snap.blocks.data() + start[b];
+  if (ntails_ > 0) {
+    snap.tails.resize(B);
+    for (int b = 0; b < B; ++b) snap.tails[b] = seqs[b]->tail[layer];
+  }
   return snap;
 }
 
@@ -412,6 +461,11 @@ void KVStore::run_attention(const Snapshot& snap, int H, Input q, float scale, f
   job.out = out;
   job.tables = snap.tables.data();
   job.lens = snap.lens.data();
+  if (!snap.tails.empty()) {
+    job.T = &T_;
+    job.tail_pool = tail_base_;
+    job.tails = snap.tails.data();
+  }
 
   // Items are (sequence, span of kv heads): one item walks its heads block by block, so
   // it reads each block's span as one contiguous run. The span is all heads unless that
@@ -491,16 +545,20 @@ void KVStore::read(int64_t id, int layer, std::vector<float>* k, std::vector<flo
   const int n = s.len[layer], D = L_.head_dim, Hkv = L_.num_kv_heads, bs = L_.block_size, bsp = L_.bsp;
   k->assign(static_cast<size_t>(n) * Hkv * D, 0.0f);
   v->assign(static_cast<size_t>(n) * Hkv * D, 0.0f);
+  const int tail_from = s.tail[layer] >= 0 ? (n - 1) / bs * bs : n;  // tokens read from the fp16 tail
   for (int t = 0; t < n; ++t) {
-    const uint8_t* block = pool_base_ + static_cast<size_t>(s.blocks[layer][t / bs]) * L_.block_bytes;
+    const bool in_tail = t >= tail_from;
+    const Layout& L = in_tail ? T_ : L_;
+    const uint8_t* block = in_tail ? tail_base_ + static_cast<size_t>(s.tail[layer]) * T_.block_bytes
+                                   : pool_base_ + static_cast<size_t>(s.blocks[layer][t / bs]) * L_.block_bytes;
     const int slot = t % bs;
     for (int h = 0; h < Hkv; ++h) {
-      const uint8_t* head = block + static_cast<size_t>(h) * L_.head_bytes;
+      const uint8_t* head = block + static_cast<size_t>(h) * L.head_bytes;
       float* ko = k->data() + (static_cast<size_t>(t) * Hkv + h) * D;
       float* vo = v->data() + (static_cast<size_t>(t) * Hkv + h) * D;
-      if (!L_.int4) {
-        const uint16_t* K = reinterpret_cast<const uint16_t*>(head + L_.k_off);
-        const uint16_t* V = reinterpret_cast<const uint16_t*>(head + L_.v_off) + static_cast<size_t>(slot) * D;
+      if (!L.int4) {
+        const uint16_t* K = reinterpret_cast<const uint16_t*>(head + L.k_off);
+        const uint16_t* V = reinterpret_cast<const uint16_t*>(head + L.v_off) + static_cast<size_t>(slot) * D;
         for (int d = 0; d < D; ++d) {
           ko[d] = h2f(K[static_cast<size_t>(d) * bsp + slot]);
           vo[d] = h2f(V[d]);
@@ -540,6 +598,8 @@ StoreStats KVStore::stats() {
   st.blocks_used = st.blocks_total - static_cast<int64_t>(free_list_.size());
   st.bytes_used = st.blocks_used * static_cast<int64_t>(L_.block_bytes);
   st.capacity_bytes = static_cast<int64_t>(capacity_bytes_);
+  st.tail_blocks_total = pool_base_ ? ntails_ : 0;
+  st.tail_blocks_used = st.tail_blocks_total - static_cast<int64_t>(tail_free_.size());
   return st;
 }
 

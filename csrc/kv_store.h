@@ -31,6 +31,7 @@ struct Input {
 
 struct StoreStats {
   int64_t sequences, kv_tokens, blocks_used, blocks_total, bytes_used, capacity_bytes;
+  int64_t tail_blocks_used, tail_blocks_total;  // int4 with fp16 tails: the staging blocks
 };
 
 Isa best_isa(const Layout& L);
@@ -38,8 +39,11 @@ bool isa_supported(Isa isa, const Layout& L, std::string* why);
 
 class KVStore {
  public:
+  // int4 && fp16_tail: the newest, unfinished block of every (sequence, layer) is also kept in
+  // fp16, in a staging area of kTailShare of the capacity, and attention reads it from there
+  // (best effort: when the area is full, a new block's tokens are read as int4 only).
   KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity_bytes, int block_size, bool int4,
-          int num_threads, Isa isa);
+          int num_threads, Isa isa, bool fp16_tail = false);
   ~KVStore();
   KVStore(const KVStore&) = delete;
   KVStore& operator=(const KVStore&) = delete;
@@ -67,6 +71,7 @@ class KVStore {
   struct Seq {
     std::vector<std::vector<int32_t>> blocks;  // per layer
     std::vector<int32_t> len;                  // per layer
+    std::vector<int32_t> tail;                 // per layer: fp16 copy of the newest block, or -1
   };
 
   void check_open() const;
@@ -74,10 +79,11 @@ class KVStore {
   std::vector<Seq*> lookup(const int64_t* ids, int n);  // KeyErr / ValueErr on duplicates
   void check_kv_values(Input x, size_t count, const char* name) const;
   void write_token(Seq& s, int layer, int slot_token, const Input& k, const Input& v, size_t src_token);
-  struct Snapshot {  // what one attention call reads: block ids and lengths, copied
-    std::vector<int32_t> blocks, lens;
+  struct Snapshot {  // what one attention call reads: block ids, lengths and fp16 tails, copied
+    std::vector<int32_t> blocks, lens, tails;
     std::vector<const int32_t*> tables;
   };
+  void write_tail(Seq& s, int layer, int pos, const Input& k, const Input& v, size_t src);
 
   void append_locked(int layer, const std::vector<Seq*>& seqs, const int64_t* lens, Input k, Input v);
   Snapshot snapshot_locked(int layer, const std::vector<Seq*>& seqs) const;
@@ -93,6 +99,10 @@ class KVStore {
   size_t capacity_bytes_;
   int32_t nblocks_;
   std::vector<int32_t> free_list_;
+  Layout T_;                          // fp16 tails: same shape as L_, fp16 format
+  uint8_t* tail_base_ = nullptr;      // inside the same mapping, after the block pool
+  int32_t ntails_ = 0;
+  std::vector<int32_t> tail_free_;
   std::unordered_map<int64_t, Seq> seqs_;
   std::unique_ptr<ThreadPool> pool_;
   std::vector<std::vector<float>> scratch_;

@@ -36,6 +36,7 @@ class EngineConfig:
     rworker_timeout_s: float = 10.0       # deadline of one R-worker call
     head_shards: int = 1                  # R-workers that split one sequence's KV heads
     kv_format: str = "fp16"               # fp16 | int4
+    kv_int4_fp16_tail: bool = True        # int4: each sequence's newest block also in fp16 (local backend)
     kv_capacity_bytes: int = 2 << 30      # local backend's KV pool
     kv_block_size: int = 16               # tokens per KV block
     kernel_threads: int = 0               # 0 = all cores
@@ -71,6 +72,7 @@ class EngineConfig:
         check(self.sls_f >= 1, "sls_f must be >= 1")
         check(self.head_shards >= 1, "head_shards must be >= 1")
         check(self.kv_block_size >= 1 and self.kv_capacity_bytes > 0, "kv_block_size and kv_capacity_bytes > 0")
+        check(isinstance(self.kv_int4_fp16_tail, bool), "kv_int4_fp16_tail must be a bool")
 
     @property
     def torch_device(self) -> str:

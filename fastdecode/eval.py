@@ -93,7 +93,8 @@ def _perplexity(config: EngineConfig, text: str, prefix: int, chunks: int, loade
     return {"perplexity": math.exp(float(nll) / count), "tokens_scored": count, "text_tokens": len(ids),
             "context": length, "chunks": chunks, "prefix": prefix,
             "attention": config.attention, "dtype": config.dtype,
-            "kv_format": "fp32" if config.attention == "torch" else config.kv_format}   # torch keeps KV as computed
+            "kv_format": "fp32" if config.attention == "torch" else config.kv_format,   # torch keeps KV as computed
+            "int4_fp16_tail": config.kv_format == "int4" and config.kv_int4_fp16_tail}
 
 
 def compare(model: str, text: str, text_name: str, context: int = CONTEXT, chunks: int = CHUNKS,
@@ -102,12 +103,14 @@ def compare(model: str, text: str, text_name: str, context: int = CONTEXT, chunk
     base = EngineConfig(model=model, attention="local", dtype=dtype)
     loaded = load_model(base.model, base.dtype, base.torch_device, base.max_model_len)
     runs = {"fp32_kv_torch": base.replace(attention="torch"), "fp16_kv": base.replace(kv_format="fp16"),
-            "int4_kv": base.replace(kv_format="int4")}
+            "int4_kv": base.replace(kv_format="int4"),
+            "int4_kv_no_fp16_tail": base.replace(kv_format="int4", kv_int4_fp16_tail=False)}
     out = {"text": text_name, "model": Path(model).name}
     for key, config in runs.items():
         out[key] = perplexity(config, text, prefix, chunks, loaded, context)
     out["context"] = out["fp16_kv"]["context"]
     out["int4_over_fp16"] = out["int4_kv"]["perplexity"] / out["fp16_kv"]["perplexity"]
+    out["int4_no_fp16_tail_over_fp16"] = out["int4_kv_no_fp16_tail"]["perplexity"] / out["fp16_kv"]["perplexity"]
     return out
 
 

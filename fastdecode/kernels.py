@@ -20,18 +20,26 @@ int4 format: asymmetric, per token, groups of 32 channels (16 when head_dim is
 not a multiple of 32), for keys and values alike; scale and zero point stored
 as fp16 beside each group. That is 4 + 1 = 5 bits per value (160 bytes per
 token and kv head at head_dim 128, vs 512 for fp16: 3.2x less to read).
+fp16 tails (`fp16_tail=True`, the default; int4 only): the newest, unfinished
+block of every (sequence, layer) is also kept in fp16, in a staging area of 1/8
+of the capacity, and attention reads that block from there; when the block
+fills, its tail goes back to the area and the block is read as int4. Every
+token is still quantized once on append. When the area is full, new blocks
+have no tail (their tokens read as int4) until tails are returned.
 Measured cost (bench/results/perplexity.json, `python -m fastdecode.eval
---compare`): SmolLM2-135M perplexity 11.215 (fp16 KV) -> 12.168 (int4 KV), +8.5%,
-on 8 chunks of 1024 tokens of English prose (pydoc_data "The standard type
-hierarchy"), 8128 decoded tokens scored, each attending over every earlier K and
-V of its chunk in this format (fp32 KV reference: 11.215).
+--compare`): SmolLM2-135M perplexity 11.215 (fp16 KV) -> 11.610 (int4 KV with
+fp16 tails, +3.5%), 12.141 without tails (+8.3%), on 8 chunks of 1024 tokens of
+English prose (pydoc_data "The standard type hierarchy"), 8128 decoded tokens
+scored, each attending over every earlier K and V of its chunk in this format
+(fp32 KV reference: 11.215).
 Groupings compared (`make bench-int4-grouping`, bench/results/int4_grouping.json,
-same text): keys per channel over 16-token blocks with the newest unfinished
-block in fp16 (KIVI) cost +0.8%, the fp16 newest block alone with per-token keys
-+3.9%, per-channel keys re-quantized from per-token int4 (no fp16) +7.8%. The
-better formats need an fp16 staging area for each sequence's newest block per
-layer, which this store does not have yet: per-token groups quantize each token
-once on append.
+same text, simulated in torch): keys per channel over 16-token blocks with the
+newest unfinished block in fp16 (KIVI) cost +0.8%, the fp16 newest block alone
+with per-token keys +3.9% (what the store does: +3.5% measured in the kernel),
+per-channel keys re-quantized from per-token int4 (no fp16) +7.8%. Per-channel
+keys would need q scaled by each block's channel scales before the integer dot
+products (a fixed-point conversion of q per block and head), about as much work
+again as the key scores themselves.
 The kernels never dequantize: q . k = sum_g s_g (q . u)_g + z_g sum_g(q), and
 sum_t p_t v_t = sum_t (p_t s_t) u_t + sum_t p_t z_t.
 """
@@ -132,13 +140,16 @@ class KVStore:
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity_bytes: int,
-                 block_size: int = 16, kv_format: str = "fp16", num_threads: int = 0, isa: str = "auto") -> None:
+                 block_size: int = 16, kv_format: str = "fp16", num_threads: int = 0, isa: str = "auto",
+                 fp16_tail: bool = True) -> None:
         if kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
         if isa not in ISAS:
             raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+        if not isinstance(fp16_tail, (bool, np.bool_)):
+            raise ValueError(f"fp16_tail must be a bool, got {fp16_tail!r}")
         self._s = _kernels.KVStore(int(num_layers), int(num_kv_heads), int(head_dim), int(capacity_bytes),
-                                   int(block_size), kv_format, int(num_threads), isa)
+                                   int(block_size), kv_format, int(num_threads), isa, bool(fp16_tail))
         self.num_layers = int(num_layers)
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)

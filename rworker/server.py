@@ -47,6 +47,7 @@ class ServerOptions:
     kv_capacity: int = 1 << 30
     threads: int = 0
     block_size: int = 16
+    int4_fp16_tail: bool = True  # int4 KV: keep each sequence's newest block in fp16 too
     token: str = ""
     tls_cert: str = ""
     tls_key: str = ""
@@ -62,7 +63,7 @@ class RWorkerServer:
         self.opts = opts
         keep_freed_memory()
         self.service = RWorkerService(opts.kv_capacity, opts.threads, opts.block_size, store_factory,
-                                      opts.max_sequences)
+                                      opts.max_sequences, int4_fp16_tail=opts.int4_fp16_tail)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self.service.on_drain = lambda: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         # A stream holds one thread for its life; a few more serve Stats, Drain and health.

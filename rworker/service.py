@@ -78,8 +78,10 @@ class Connection:
 
 class RWorkerService(pb_grpc.RWorkerServicer):
     def __init__(self, capacity_bytes: int, threads: int = 0, block_size: int = 16,
-                 store_factory=default_store_factory, max_sequences: int = 1 << 18) -> None:
+                 store_factory=default_store_factory, max_sequences: int = 1 << 18,
+                 int4_fp16_tail: bool = True) -> None:
         self.capacity_bytes = capacity_bytes
+        self.int4_fp16_tail = int4_fp16_tail
         self.max_sequences = max_sequences
         self.threads = threads
         self.block_size = block_size
@@ -181,10 +183,11 @@ class RWorkerService(pb_grpc.RWorkerServicer):
                 if self.store is not None and hasattr(self.store, "close"):
                     self.store.close()          # free the old pool before allocating the new one
                 self.store = None
+                tail = {"fp16_tail": self.int4_fp16_tail} if c.kv_format == "int4" else {}
                 self.store = self.store_factory(
                     num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                     capacity_bytes=self.capacity_bytes, block_size=self.block_size,
-                    kv_format=c.kv_format, num_threads=self.threads)
+                    kv_format=c.kv_format, num_threads=self.threads, **tail)
                 self.store_config = config
                 log.info("KV store: layers=%d kv_heads=%d head_dim=%d format=%s isa=%s", *config,
                          getattr(self.store, "isa", "?"))

@@ -165,6 +165,82 @@ def test_int4_quantization_error_bound():
         assert np.all(err <= step * 0.51 + 1e-3 * np.abs(g).max(-1, keepdims=True))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_int4_fp16_tail(isa):
+    """The newest, unfinished block of each sequence is read from its fp16 copy; complete blocks
+    (and everything of a store without tails) from int4. Tails go back to the area when a block fills."""
+    rng = np.random.default_rng(21)
+    hkv, d, lens = 2, 64, [1, 15, 16, 17, 40]
+    ids = list(range(len(lens)))
+    tail = KVStore(1, hkv, d, 16 << 20, kv_format="int4", isa=isa, fp16_tail=True)
+    plain = KVStore(1, hkv, d, 16 << 20, kv_format="int4", isa=isa, fp16_tail=False)
+    assert plain.stats()["tail_blocks_total"] == 0 and tail.stats()["tail_blocks_total"] > len(ids)
+    k = rng.standard_normal((sum(lens), hkv, d)).astype(np.float32)
+    v = rng.standard_normal((sum(lens), hkv, d)).astype(np.float32)
+    offs = np.cumsum([0] + lens)
+    for st in (tail, plain):
+        st.create(ids)
+        st.append_span(0, ids, lens, k, v)
+    assert tail.stats()["tail_blocks_used"] == sum(n % BS != 0 for n in lens)
+    assert tail.stats()["blocks_used"] == plain.stats()["blocks_used"]
+    for i, n in zip(ids, lens):
+        kt, vt = tail.read(i, 0)
+        kp, vp = plain.read(i, 0)
+        cut = n - n % BS  # tokens before the unfinished block
+        np.testing.assert_array_equal(kt[:cut], kp[:cut])
+        np.testing.assert_array_equal(vt[:cut], vp[:cut])
+        ko, vo = k[offs[i]:offs[i + 1]], v[offs[i]:offs[i + 1]]
+        np.testing.assert_array_equal(kt[cut:], ko[cut:].astype(np.float16).astype(np.float32))
+        np.testing.assert_array_equal(vt[cut:], vo[cut:].astype(np.float16).astype(np.float32))
+    q = rng.standard_normal((len(ids), 2 * hkv, d)).astype(np.float32)
+    o = tail.attend(0, ids, q)
+    check_against_reference(tail, ids, q, o)
+    # a sequence shorter than a block is all fp16: its error is fp16's, far below int4's
+    err_tail = rel(o[1], reference(q[1], k[offs[1]:offs[2]], v[offs[1]:offs[2]]))
+    err_plain = rel(plain.attend(0, ids, q)[1], reference(q[1], k[offs[1]:offs[2]], v[offs[1]:offs[2]]))
+    assert err_tail < 1e-3 < err_plain
+    # the 16th token completes sequence 1's block: its tail is returned, the block is int4 from now on
+    k1 = rng.standard_normal((1, hkv, d)).astype(np.float32)
+    for st in (tail, plain):
+        st.append(0, [1], k1, k1)
+    assert tail.stats()["tail_blocks_used"] == sum(n % BS != 0 for n in lens) - 1
+    np.testing.assert_array_equal(tail.read(1, 0)[0], plain.read(1, 0)[0])
+    tail.free(ids)
+    assert tail.stats()["tail_blocks_used"] == 0
+    for st in (tail, plain):
+        st.close()
+
+
+def test_int4_fp16_tail_area_full_falls_back_to_int4():
+    rng = np.random.default_rng(22)
+    hkv, d = 2, 64
+    fp16_block = make_store(hkv, d, "fp16", layers=1).block_bytes
+    store = KVStore(1, hkv, d, 8 * 2 * fp16_block, kv_format="int4", fp16_tail=True)  # room for 2 tails
+    plain = KVStore(1, hkv, d, 8 * 2 * fp16_block, kv_format="int4", fp16_tail=False)
+    assert store.stats()["tail_blocks_total"] == 2
+    k = rng.standard_normal((3 * 5, hkv, d)).astype(np.float32)
+    for st in (store, plain):
+        st.create([1, 2, 3])
+        st.append_span(0, [1, 2, 3], [5, 5, 5], k, k)
+    assert store.stats()["tail_blocks_used"] == 2
+    np.testing.assert_array_equal(store.read(3, 0)[0], plain.read(3, 0)[0])  # the third got none: int4
+    assert not np.array_equal(store.read(1, 0)[0], plain.read(1, 0)[0])
+    q = rng.standard_normal((3, 4, d)).astype(np.float32)
+    check_against_reference(store, [1, 2, 3], q, store.attend(0, [1, 2, 3], q))
+    store.free([1])
+    assert store.stats()["tail_blocks_used"] == 1
+    store.append_span(0, [3], [BS - 5 + 2], np.zeros((BS - 3, hkv, d), np.float32),
+                      np.zeros((BS - 3, hkv, d), np.float32))  # sequence 3 starts a block: it gets a tail
+    assert store.stats()["tail_blocks_used"] == 2
+    check_against_reference(store, [2, 3], q[1:], store.attend(0, [2, 3], q[1:]))
+
+
+@pytest.mark.parametrize("bad", ["yes", None, 1, 0.0])
+def test_fp16_tail_must_be_a_bool(bad):
+    with pytest.raises(ValueError):
+        KVStore(1, 2, 64, 1 << 20, kv_format="int4", fp16_tail=bad)
+
+
 def test_threads_give_identical_results():
     rng = np.random.default_rng(5)
     store = make_store(4, 64, threads=2)

@@ -127,3 +127,15 @@ def test_decode_runs_off_the_callers_thread_without_the_gil():
     assert threading.current_thread() is threading.main_thread()
     assert submit_s < total_s / 2 and spins > 100, (submit_s, total_s, spins)
     local.shutdown()
+
+
+def test_int4_fp16_tail_follows_the_config():
+    on = LocalAttention(SPEC, EngineConfig(kv_format="int4", kv_capacity_bytes=8 << 20, kernel_threads=1))
+    off = LocalAttention(SPEC, EngineConfig(kv_format="int4", kv_capacity_bytes=8 << 20, kernel_threads=1,
+                                            kv_int4_fp16_tail=False))
+    assert on.store.stats()["tail_blocks_total"] > 0 and off.store.stats()["tail_blocks_total"] == 0
+    fp16 = LocalAttention(SPEC, EngineConfig(kv_format="fp16", kv_capacity_bytes=8 << 20, kernel_threads=1))
+    assert fp16.store.stats()["tail_blocks_total"] == 0          # fp16 KV needs no tail
+    for bad in ("no", 1, None):
+        with pytest.raises(ValueError, match="kv_int4_fp16_tail"):
+            EngineConfig(kv_int4_fp16_tail=bad)

@@ -315,3 +315,22 @@ def test_garbage_bytes_and_random_requests(worker):
     fuzz.close()
     decode_and_check(bystander, [5], seqs, rng)
     bystander.close()
+
+
+@pytest.mark.parametrize("tail", [True, False])
+def test_int4_store_gets_the_fp16_tail_setting_and_fp16_does_not(tail):
+    from rworker.__main__ import parse_args
+    from rworker.service import Connection, RWorkerService
+
+    made = []
+
+    def factory(**kwargs):
+        made.append(kwargs)
+        return type("Store", (), {"stats": lambda self: {"sequences": 0}, "close": lambda self: None})()
+
+    assert parse_args([] if tail else ["--no-int4-fp16-tail"]).int4_fp16_tail is tail
+    service = RWorkerService(1 << 20, store_factory=factory, int4_fp16_tail=tail)
+    service._configure(Connection("test"), pb.Configure(num_layers=2, num_kv_heads=2, head_dim=64, kv_format="int4"))
+    service._configure(Connection("test"), pb.Configure(num_layers=2, num_kv_heads=2, head_dim=64, kv_format="fp16"))
+    assert made[0]["kv_format"] == "int4" and made[0]["fp16_tail"] is tail
+    assert made[1]["kv_format"] == "fp16" and "fp16_tail" not in made[1]
