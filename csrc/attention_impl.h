@@ -380,7 +380,7 @@ static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P,
 }
 
 // Running state of the rows (query heads) of an item: row rho = j * G + g is query head g
-// of the item's j-th kv head. P holds the current block's scores / probabilities per row.
+// of the item's j-th kv head. P holds the scores / probabilities of the tile (<= 8 rows) in work.
 struct ItemState {
   float *m, *l, *qsum, *acc, *zacc, *P, *Cc, *fs;
   int32_t* limbs;  // integer path only: q of each row in fixed point (q_limbs)
@@ -405,7 +405,7 @@ template <int GT>
 static void softmax_rows(const Layout& L, int n, const ItemState& st, int rho, int ng, int ps) {
   const int D = L.head_dim;
   float corr[GT];
-  softmax_tile<GT>(st.P + rho * ps, ps, n, st.m + rho, st.l + rho * W, corr);
+  softmax_tile<GT>(st.P, ps, n, st.m + rho, st.l + rho * W, corr);
   for (int g = 0; g < GT; ++g) {
     if (corr[g] == 1.0f) continue;
     const F c = V::set1(corr[g]);
@@ -465,7 +465,7 @@ struct RegionWalk {
   const uint8_t* at(int blk, int head) const {
     return pool + static_cast<size_t>(table[blk]) * L->block_bytes + static_cast<size_t>(h0 + head) * L->head_bytes;
   }
-  void advance() {
+  __attribute__((always_inline)) inline void advance() {
     const int nb = nblk - i0 < NB ? nblk - i0 : NB;
     if (++c < nb) return;
     c = 0;
@@ -473,7 +473,7 @@ struct RegionWalk {
     j = 0;
     i0 += NB;
   }
-  Prefetch next(int lines_per_token) {
+  __attribute__((always_inline)) inline Prefetch next(int lines_per_token) {
     Prefetch pf;
     if (i0 < nblk) {
       pf.cur = at(i0 + c, j);
@@ -491,13 +491,14 @@ template <int GT>
 static void chunk_tile(const RegionWalk& w, int i0, int nb, int j, int ntok, const float* q, const ItemState& st,
                        int rho, int ng, int ps, RegionWalk* pfw, int pf_lines, const uint8_t* tail) {
   const int bs = w.L->block_size, bsp = w.L->bsp;
-  float* P = st.P + rho * ps;
+  float* P = st.P;  // the tile's rows; the next tile reuses it
   int n_all = 0;
   for (int c = 0; c < nb; ++c) {
     const int n = ntok - (i0 + c) * bs < bs ? ntok - (i0 + c) * bs : bs;
-    const bool t = tail && i0 + c == w.nblk - 1;  // the fp16 copy of the newest block
-    const Layout& L = t ? *w.T : *w.L;
-    score_tile<GT>(L, t ? tail : w.at(i0 + c, j), n, q, st, rho, ng, P + c * bsp, ps);
+    if (tail && i0 + c == w.nblk - 1)  // the fp16 copy of the newest block (a separate call: the
+      score_tile<GT>(*w.T, tail, n, q, st, rho, ng, P + c * bsp, ps);  // common one keeps *w.L fixed)
+    else
+      score_tile<GT>(*w.L, w.at(i0 + c, j), n, q, st, rho, ng, P + c * bsp, ps);
     if (c < nb - 1 && n < bsp)  // a short block inside the chunk: no token at its tail
       for (int g = 0; g < GT; ++g)
         for (int t = n; t < bsp; ++t) P[g * ps + c * bsp + t] = -__builtin_inff();
@@ -506,9 +507,11 @@ static void chunk_tile(const RegionWalk& w, int i0, int nb, int j, int ntok, con
   softmax_rows<GT>(*w.L, n_all, st, rho, ng, ps);
   for (int c = 0; c < nb; ++c) {
     const int n = ntok - (i0 + c) * bs < bs ? ntok - (i0 + c) * bs : bs;
-    const bool t = tail && i0 + c == w.nblk - 1;
     Prefetch pf = pfw ? pfw->next(pf_lines) : Prefetch();
-    pv_tile<GT>(t ? *w.T : *w.L, t ? tail : w.at(i0 + c, j), n, st, rho, ng, P + c * bsp, ps, pf);
+    if (tail && i0 + c == w.nblk - 1)
+      pv_tile<GT>(*w.T, tail, n, st, rho, ng, P + c * bsp, ps, pf);
+    else
+      pv_tile<GT>(*w.L, w.at(i0 + c, j), n, st, rho, ng, P + c * bsp, ps, pf);
   }
 }
 
@@ -529,7 +532,7 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
   const int rows = span * G;
   ItemState st;
   st.acc = take(static_cast<size_t>(rows) * D);
-  st.P = take(static_cast<size_t>(rows) * ps);
+  st.P = take(static_cast<size_t>(8) * ps);
   st.Cc = take(static_cast<size_t>(8) * ng * bsp);
   st.m = take(rows);
   st.l = take(static_cast<size_t>(rows) * W);

@@ -146,10 +146,10 @@ struct AttnJob {
 // temporaries shared by the item's heads, and the running state of each head.
 inline size_t scratch_floats(const Layout& L, int G, int head_span) {
   const size_t D = L.head_dim, bsp = L.bsp, ng = L.int4 ? D / L.qgroup : 0, rows = size_t(G) * head_span;
-  // P (a chunk of blocks), m, l, qsum, acc, zacc, fs, limbs per row; Cc for a tile of 8;
+  // m, l, qsum, acc, zacc, fs, limbs per row; P (a chunk of blocks) and Cc for a tile of 8 rows;
   // 64-byte alignment of 10 arrays
   const size_t chunk = L.int4 ? kChunkBlocksInt4 : kChunkBlocksFp16;
-  return rows * (chunk * bsp + 1 + 16 + ng + D + ng * 16 + ng + 3 * (D / 4)) + 8 * ng * bsp + 16 * 10;
+  return rows * (1 + 16 + ng + D + ng * 16 + ng + 3 * (D / 4)) + 8 * chunk * bsp + 8 * ng * bsp + 16 * 10;
 }
 
 using ItemsFn = void (*)(const AttnJob&, int begin, int end, float* scratch);
