@@ -236,15 +236,6 @@ struct Prefetch {
   const uint8_t* end = nullptr;
   int per_step = 0;              // lines per step()
   inline void step() {
-    if (cur >= end) return;
-    if (per_step <= 4 && cur + 64 * per_step <= end) {  // the common case: no per-line test
-      V::prefetch(cur);
-      if (per_step > 1) V::prefetch(cur + 64);
-      if (per_step > 2) V::prefetch(cur + 128);
-      if (per_step > 3) V::prefetch(cur + 192);
-      cur += 64 * per_step;
-      return;
-    }
     for (int i = 0; i < per_step && cur < end; ++i, cur += 64) V::prefetch(cur);
   }
 };
