@@ -116,7 +116,10 @@ def _coerce(type_name: str, raw, key: str):
         if type_name == "float":
             return float(raw)
         if type_name == "bool":
-            return raw.strip().lower() in ("1", "true", "yes", "on")
+            word = raw.strip().lower()
+            if word not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ValueError(word)
+            return word in ("1", "true", "yes", "on")
         if type_name.startswith("tuple"):
             return tuple(a.strip() for a in raw.split(",") if a.strip())
     except ValueError:

@@ -274,6 +274,11 @@ def test_build_configs_resolves_paths_and_rejects_unknown(tmp_path):
         build_configs({"max_running": "many"})
     with pytest.raises(ValueError, match="cancel_poll_ms"):
         build_configs({"cancel_poll_ms": "-1"})
+    assert build_configs({"kv_format": "int4", "kv_int4_fp16_tail": "off"})[0].kv_int4_fp16_tail is False
+    assert build_configs({"kv_int4_fp16_tail": " True "})[0].kv_int4_fp16_tail is True
+    for bad in ("maybe", "", "2"):
+        with pytest.raises(ValueError, match="kv_int4_fp16_tail"):
+            build_configs({"kv_int4_fp16_tail": bad})
 
 
 def write_real_plan(tmp_path, seq_len=512) -> tuple[Path, dict]:
