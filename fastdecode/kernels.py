@@ -34,8 +34,9 @@ scored, each attending over every earlier K and V of its chunk in this format
 (fp32 KV reference: 11.215).
 Groupings compared (`make bench-int4-grouping`, bench/results/int4_grouping.json,
 same text, simulated in torch): keys per channel over 16-token blocks with the
-newest unfinished block in fp16 (KIVI) cost +0.8%, the fp16 newest block alone
-with per-token keys +3.9% (what the store does: +3.5% measured in the kernel),
+newest unfinished block in fp16 (KIVI) cost +0.8%, the fp16 newest block of keys
+alone with per-token keys +3.9% (the store keeps keys and values of that block in
+fp16: +3.5% in the kernel),
 per-channel keys re-quantized from per-token int4 (no fp16) +7.8%. Per-channel
 keys would need q scaled by each block's channel scales before the integer dot
 products (a fixed-point conversion of q per block and head), about as much work
