@@ -80,6 +80,20 @@ void to_float(const uint16_t* x, float* y, int n) {
   for (int i = 0; i < n; ++i) y[i] = h2f(x[i]);
 }
 
+// One token of one kv head into an fp16 region (layout L): K transposed, V as a row.
+void write_fp16_head(const Layout& L, uint8_t* head, int slot, const Input& k, const Input& v, size_t base) {
+  const int D = L.head_dim;
+  alignas(64) uint16_t kh[4096], vh[4096];
+  const uint16_t *ks = kh, *vs = vh;
+  if (k.dtype == DType::f16) ks = static_cast<const uint16_t*>(k.data) + base;
+  else to_half(static_cast<const float*>(k.data) + base, kh, D);
+  if (v.dtype == DType::f16) vs = static_cast<const uint16_t*>(v.data) + base;
+  else to_half(static_cast<const float*>(v.data) + base, vh, D);
+  uint16_t* K = reinterpret_cast<uint16_t*>(head + L.k_off);
+  for (int d = 0; d < D; ++d) K[static_cast<size_t>(d) * L.bsp + slot] = ks[d];
+  std::memcpy(head + L.v_off + static_cast<size_t>(slot) * D * 2, vs, static_cast<size_t>(D) * 2);
+}
+
 }  // namespace
 
 bool isa_supported(Isa isa, const Layout& L, std::string* why) {
@@ -282,27 +296,11 @@ void KVStore::write_token(Seq& s, int layer, int pos, const Input& k, const Inpu
   uint8_t* block = pool_base_ + static_cast<size_t>(s.blocks[layer][pos / bs]) * L_.block_bytes;
   const int slot = pos % bs;
   alignas(64) float kx[4096], vx[4096];
-  alignas(64) uint16_t kh[4096], vh[4096];
   for (int h = 0; h < Hkv; ++h) {
     uint8_t* head = block + static_cast<size_t>(h) * L_.head_bytes;
     const size_t base = (src * Hkv + h) * D;
     if (!L_.int4) {
-      const uint16_t *ks, *vs;
-      if (k.dtype == DType::f16) {
-        ks = static_cast<const uint16_t*>(k.data) + base;
-      } else {
-        to_half(static_cast<const float*>(k.data) + base, kh, D);
-        ks = kh;
-      }
-      if (v.dtype == DType::f16) {
-        vs = static_cast<const uint16_t*>(v.data) + base;
-      } else {
-        to_half(static_cast<const float*>(v.data) + base, vh, D);
-        vs = vh;
-      }
-      uint16_t* K = reinterpret_cast<uint16_t*>(head + L_.k_off);
-      for (int d = 0; d < D; ++d) K[static_cast<size_t>(d) * bsp + slot] = ks[d];
-      std::memcpy(head + L_.v_off + static_cast<size_t>(slot) * D * 2, vs, static_cast<size_t>(D) * 2);
+      write_fp16_head(L_, head, slot, k, v, base);
       continue;
     }
     if (k.dtype == DType::f16)
@@ -336,21 +334,10 @@ void KVStore::write_token(Seq& s, int layer, int pos, const Input& k, const Inpu
 }
 
 void KVStore::write_tail(Seq& s, int layer, int pos, const Input& k, const Input& v, size_t src) {
-  const int D = T_.head_dim, Hkv = T_.num_kv_heads, bsp = T_.bsp, slot = pos % T_.block_size;
+  const int Hkv = T_.num_kv_heads, slot = pos % T_.block_size;
   uint8_t* block = tail_base_ + static_cast<size_t>(s.tail[layer]) * T_.block_bytes;
-  alignas(64) uint16_t kh[4096], vh[4096];
-  for (int h = 0; h < Hkv; ++h) {
-    uint8_t* head = block + static_cast<size_t>(h) * T_.head_bytes;
-    const size_t base = (src * Hkv + h) * D;
-    const uint16_t *ks = kh, *vs = vh;
-    if (k.dtype == DType::f16) ks = static_cast<const uint16_t*>(k.data) + base;
-    else to_half(static_cast<const float*>(k.data) + base, kh, D);
-    if (v.dtype == DType::f16) vs = static_cast<const uint16_t*>(v.data) + base;
-    else to_half(static_cast<const float*>(v.data) + base, vh, D);
-    uint16_t* K = reinterpret_cast<uint16_t*>(head + T_.k_off);
-    for (int d = 0; d < D; ++d) K[static_cast<size_t>(d) * bsp + slot] = ks[d];
-    std::memcpy(head + T_.v_off + static_cast<size_t>(slot) * D * 2, vs, static_cast<size_t>(D) * 2);
-  }
+  for (int h = 0; h < Hkv; ++h)
+    write_fp16_head(T_, block + static_cast<size_t>(h) * T_.head_bytes, slot, k, v, (src * Hkv + h) * T_.head_dim);
 }
 
 void KVStore::append_locked(int layer, const std::vector<Seq*>& seqs, const int64_t* lens, Input k, Input v) {
