@@ -55,7 +55,7 @@ struct V {
     lo = _mm512_permutexvar_ps(x, lut);
     hi = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), lut);
   }
-  static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+  static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   typedef __m512i I;
   static inline I load_u32(const uint32_t* p) { return _mm512_loadu_si512(p); }
   template <int S>

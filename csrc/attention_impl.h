@@ -22,6 +22,17 @@
 typedef V::F F;
 constexpr int W = V::W;
 
+// Software prefetch of a later block's head region, spread over the loops of this block
+// (a burst of 100+ prefetches would stall on fill buffers).
+struct Prefetch {
+  const uint8_t* cur = nullptr;  // next line to prefetch; nullptr: nothing to do
+  const uint8_t* end = nullptr;
+  int per_step = 0;              // lines per step()
+  inline void step() {
+    for (int i = 0; i < per_step && cur < end; ++i, cur += 64) V::prefetch(cur);
+  }
+};
+
 // Independent FMA chains per head, so that GT heads together keep >= 8 in flight.
 template <int GT>
 constexpr int qk_chains() {
@@ -32,7 +43,9 @@ constexpr int qk_chains() {
 
 // QK for GT query heads against up to one block of fp16 keys: P[g][t] = q_g . k_t
 template <int GT>
-static void scores_fp16(const Layout& L, const uint8_t* head, int n, const float* q, float* P, int ps) {
+static void scores_fp16(const Layout& L, const uint8_t* head, int n, const float* q, float* P, int ps,
+                        Prefetch& pf_io) {
+  Prefetch pf = pf_io;
   constexpr int C = qk_chains<GT>();
   const int D = L.head_dim, bsp = L.bsp;
   const uint16_t* K = reinterpret_cast<const uint16_t*>(head + L.k_off);
@@ -45,6 +58,7 @@ static void scores_fp16(const Layout& L, const uint8_t* head, int n, const float
     const float* qd = q;  // q + g * D + d, bumped with d (no index arithmetic per FMA)
     int d = 0;
     for (; d + C <= D; d += C, kp += C * rs, qd += C) {
+      pf.step();
       for (int j = 0; j < C; ++j) {
         const F k = V::load_h(kp + j * rs);
         for (int g = 0; g < GT; ++g) s[g][j] = V::fma(V::set1(qd[g * D + j]), k, s[g][j]);
@@ -60,6 +74,7 @@ static void scores_fp16(const Layout& L, const uint8_t* head, int n, const float
       V::store(P + g * ps + c0, t);
     }
   }
+  pf_io = pf;
 }
 
 // The 8 channels of one int4 key row, as floats for W tokens: dword t of the row holds
@@ -229,16 +244,6 @@ static void softmax_tile(float* P, int ps, int n, float* m, float* l, float* cor
   }
 }
 
-// Software prefetch of a later block's head region, spread over the PV token
-// loop of this block (a burst of 100+ prefetches would stall on fill buffers).
-struct Prefetch {
-  const uint8_t* cur = nullptr;  // next line to prefetch; nullptr: nothing to do
-  const uint8_t* end = nullptr;
-  int per_step = 0;              // lines per step()
-  inline void step() {
-    for (int i = 0; i < per_step && cur < end; ++i, cur += 64) V::prefetch(cur);
-  }
-};
 
 // Vectors of D kept in registers per head in the PV loop (GT heads + one V row).
 template <int GT>
@@ -398,10 +403,10 @@ struct ItemState {
 // the region is small, and its V waiting in L2 stalled the P V loop).
 template <int GT>
 static void score_tile(const Layout& L, const uint8_t* head, int n, const float* q, const ItemState& st, int rho,
-                       int ng, float* P, int ps, bool l1_values = false) {
+                       int ng, float* P, int ps, Prefetch& pf, bool l1_values = false) {
   if (l1_values)
     for (size_t o = L.v_off; o < L.head_bytes; o += 64) __builtin_prefetch(head + o, 0, 3);
-  if (!L.int4) return scores_fp16<GT>(L, head, n, q, P, ps);
+  if (!L.int4) return scores_fp16<GT>(L, head, n, q, P, ps, pf);
 #ifdef FD_VNNI
   return scores_int4_vnni<GT>(L, head, n, st.limbs + rho * 3 * (L.head_dim / 4), st.fs + rho * ng,
                               st.qsum + rho * ng, P, ps);
@@ -503,13 +508,20 @@ static void chunk_tile(const RegionWalk& w, int i0, int nb, int j, int ntok, con
                        int rho, int ng, int ps, RegionWalk* pfw, int pf_lines, const uint8_t* tail) {
   const int bs = w.L->block_size, bsp = w.L->bsp;
   float* P = st.P;  // the tile's rows; the next tile reuses it
+  // fp16 (one block per chunk): the prefetch of the region ahead runs through the scores and the P V
+  // (in the P V alone, its bursts left the scores without requests in flight); int4: in the P V.
+  Prefetch pf0;
+  if (!w.L->int4 && pfw) {
+    const int steps = (bsp / W) * (w.L->head_dim / qk_chains<GT>()) + bs;
+    pf0 = pfw->next((static_cast<int>(w.L->head_bytes / 64) + steps - 1) / steps);
+  }
   int n_all = 0;
   for (int c = 0; c < nb; ++c) {
     const int n = ntok - (i0 + c) * bs < bs ? ntok - (i0 + c) * bs : bs;
     if (tail && i0 + c == w.nblk - 1)  // the fp16 copy of the newest block (a separate call: the
-      score_tile<GT>(*w.T, tail, n, q, st, rho, ng, P + c * bsp, ps);  // common one keeps *w.L fixed)
+      score_tile<GT>(*w.T, tail, n, q, st, rho, ng, P + c * bsp, ps, pf0);  // common one keeps *w.L fixed)
     else
-      score_tile<GT>(*w.L, w.at(i0 + c, j), n, q, st, rho, ng, P + c * bsp, ps, w.L->int4);
+      score_tile<GT>(*w.L, w.at(i0 + c, j), n, q, st, rho, ng, P + c * bsp, ps, pf0, w.L->int4);
     if (c < nb - 1 && n < bsp)  // a short block inside the chunk: no token at its tail
       for (int g = 0; g < GT; ++g)
         for (int t = n; t < bsp; ++t) P[g * ps + c * bsp + t] = -__builtin_inff();
@@ -518,7 +530,7 @@ static void chunk_tile(const RegionWalk& w, int i0, int nb, int j, int ntok, con
   softmax_rows<GT>(*w.L, n_all, st, rho, ng, ps);
   for (int c = 0; c < nb; ++c) {
     const int n = ntok - (i0 + c) * bs < bs ? ntok - (i0 + c) * bs : bs;
-    Prefetch pf = pfw ? pfw->next(pf_lines) : Prefetch();
+    Prefetch pf = !w.L->int4 ? pf0 : pfw ? pfw->next(pf_lines) : Prefetch();
     if (tail && i0 + c == w.nblk - 1)
       pv_tile<GT>(*w.T, tail, n, st, rho, ng, P + c * bsp, ps, pf);
     else
@@ -551,7 +563,8 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
   st.zacc = take(static_cast<size_t>(rows) * ng * 16);
   st.fs = take(static_cast<size_t>(rows) * ng);
   st.limbs = reinterpret_cast<int32_t*>(take(static_cast<size_t>(rows) * 3 * (D / 4)));
-  const size_t pf_bytes = L.int4 ? kPrefetchBytesInt4 : kPrefetchBytesFp16;
+  size_t pf_bytes = L.int4 ? kPrefetchBytesInt4 : kPrefetchBytesFp16;
+  if (const char* e = getenv("FD_PF")) pf_bytes = static_cast<size_t>(atol(e));
   const int pf_regions = static_cast<int>((pf_bytes + L.head_bytes - 1) / L.head_bytes);
   const int pf_lines = static_cast<int>((L.head_bytes / 64 + bs - 1) / bs);  // per token of a region
   for (int item = begin; item < end; ++item) {
