@@ -563,8 +563,7 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
   st.zacc = take(static_cast<size_t>(rows) * ng * 16);
   st.fs = take(static_cast<size_t>(rows) * ng);
   st.limbs = reinterpret_cast<int32_t*>(take(static_cast<size_t>(rows) * 3 * (D / 4)));
-  size_t pf_bytes = L.int4 ? kPrefetchBytesInt4 : kPrefetchBytesFp16;
-  if (const char* e = getenv("FD_PF")) pf_bytes = static_cast<size_t>(atol(e));
+  const size_t pf_bytes = L.int4 ? kPrefetchBytesInt4 : kPrefetchBytesFp16;
   const int pf_regions = static_cast<int>((pf_bytes + L.head_bytes - 1) / L.head_bytes);
   const int pf_lines = static_cast<int>((L.head_bytes / 64 + bs - 1) / bs);  // per token of a region
   for (int item = begin; item < end; ++item) {
