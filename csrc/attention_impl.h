@@ -373,17 +373,16 @@ static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P,
   const uint16_t* Vs = reinterpret_cast<const uint16_t*>(head + L.vs_off);
   const uint16_t* Vz = reinterpret_cast<const uint16_t*>(head + L.vz_off);
   const int nr = (n + W - 1) / W * W;  // P is zero on [n, nr)
-  for (int g = 0; g < GT; ++g) {
-    for (int grp = 0; grp < ng; ++grp) {
-      F z = V::load(zacc + (g * ng + grp) * W);
-      for (int c0 = 0; c0 < nr; c0 += W) {
+  for (int grp = 0; grp < ng; ++grp)
+    for (int c0 = 0; c0 < nr; c0 += W) {
+      const F sc = V::load_h(Vs + grp * bsp + c0), zr = V::load_h(Vz + grp * bsp + c0);  // once for the GT heads
+      for (int g = 0; g < GT; ++g) {
         const F p = V::load(P + g * ps + c0);
-        V::store(Cc + (g * ng + grp) * bsp + c0, V::mul(p, V::load_h(Vs + grp * bsp + c0)));
-        z = V::fma(p, V::load_h(Vz + grp * bsp + c0), z);
+        V::store(Cc + (g * ng + grp) * bsp + c0, V::mul(p, sc));
+        float* z = zacc + (g * ng + grp) * W;
+        V::store(z, V::fma(p, zr, V::load(z)));
       }
-      V::store(zacc + (g * ng + grp) * W, z);
     }
-  }
   constexpr int GC = GT == 1 ? 4 : (GT == 2 ? 2 : 1);  // groups in flight: >= 8 FMA chains
   if (ng % GC == 0)
     pv_int4_groups<GT, GC, QG>(D, ng, half, bsp, n, Vn, Cc, acc, pf);
