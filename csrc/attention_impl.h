@@ -244,7 +244,6 @@ static void softmax_tile(float* P, int ps, int n, float* m, float* l, float* cor
   }
 }
 
-
 // Vectors of D kept in registers per head in the PV loop (GT heads + one V row).
 template <int GT>
 constexpr int pv_chunk() {
