@@ -513,11 +513,13 @@ static void chunk_tile(const RegionWalk& w, int i0, int nb, int j, int ntok, con
     const int steps = (bsp / W) * (w.L->head_dim / qk_chains<GT>()) + bs;
     pf0 = pfw->next((static_cast<int>(w.L->head_bytes / 64) + steps - 1) / steps);
   }
+  auto tokens = [&](int c) { return ntok - (i0 + c) * bs < bs ? ntok - (i0 + c) * bs : bs; };
+  const int tail_c = tail ? w.nblk - 1 - i0 : -1;  // the chunk's block read from its fp16 copy, if any
   int n_all = 0;
   for (int c = 0; c < nb; ++c) {
-    const int n = ntok - (i0 + c) * bs < bs ? ntok - (i0 + c) * bs : bs;
-    if (tail && i0 + c == w.nblk - 1)  // the fp16 copy of the newest block (a separate call: the
-      score_tile<GT>(*w.T, tail, n, q, st, rho, ng, P + c * bsp, ps, pf0);  // common one keeps *w.L fixed)
+    const int n = tokens(c);
+    if (c == tail_c)  // the fp16 copy of the newest block (a separate call: the common one keeps *w.L fixed)
+      score_tile<GT>(*w.T, tail, n, q, st, rho, ng, P + c * bsp, ps, pf0);
     else
       score_tile<GT>(*w.L, w.at(i0 + c, j), n, q, st, rho, ng, P + c * bsp, ps, pf0, w.L->int4);
     if (c < nb - 1 && n < bsp)  // a short block inside the chunk: no token at its tail
@@ -527,12 +529,11 @@ static void chunk_tile(const RegionWalk& w, int i0, int nb, int j, int ntok, con
   }
   softmax_rows<GT>(*w.L, n_all, st, rho, ng, ps);
   for (int c = 0; c < nb; ++c) {
-    const int n = ntok - (i0 + c) * bs < bs ? ntok - (i0 + c) * bs : bs;
     Prefetch pf = !w.L->int4 ? pf0 : pfw ? pfw->next(pf_lines) : Prefetch();
-    if (tail && i0 + c == w.nblk - 1)
-      pv_tile<GT>(*w.T, tail, n, st, rho, ng, P + c * bsp, ps, pf);
+    if (c == tail_c)
+      pv_tile<GT>(*w.T, tail, tokens(c), st, rho, ng, P + c * bsp, ps, pf);
     else
-      pv_tile<GT>(*w.L, w.at(i0 + c, j), n, st, rho, ng, P + c * bsp, ps, pf);
+      pv_tile<GT>(*w.L, w.at(i0 + c, j), tokens(c), st, rho, ng, P + c * bsp, ps, pf);
   }
 }
 

@@ -5,6 +5,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <utility>
+
 #include "kv_store.h"
 #include "stream.h"
 
@@ -49,6 +51,16 @@ const int64_t* int_input(const py::array& a, const char* name) {
   return static_cast<const int64_t*>(a.data());
 }
 
+// The kernel paths by name, as Python spells them ("auto" is resolved by the store's shape).
+constexpr std::pair<const char*, fd::Isa> kIsaNames[] = {
+    {"avx512vnni", fd::Isa::avx512vnni}, {"avx512", fd::Isa::avx512}, {"avx2", fd::Isa::avx2}, {"scalar", fd::Isa::scalar}};
+
+bool isa_from_name(const std::string& name, fd::Isa* isa) {
+  for (const auto& [n, i] : kIsaNames)
+    if (name == n) return *isa = i, true;
+  return false;
+}
+
 class PyKVStore {
  public:
   PyKVStore(int num_layers, int num_kv_heads, int head_dim, int64_t capacity_bytes, int block_size,
@@ -62,15 +74,7 @@ class PyKVStore {
       if (num_layers < 1 || num_kv_heads < 1 || head_dim < 1 || block_size < 1)
         throw py::value_error("num_layers, num_kv_heads, head_dim and block_size must be >= 1");
       chosen = fd::best_isa(fd::Layout::make(num_kv_heads, head_dim, block_size, int4));
-    } else if (isa == "avx512vnni") {
-      chosen = fd::Isa::avx512vnni;
-    } else if (isa == "avx512") {
-      chosen = fd::Isa::avx512;
-    } else if (isa == "avx2") {
-      chosen = fd::Isa::avx2;
-    } else if (isa == "scalar") {
-      chosen = fd::Isa::scalar;
-    } else {
+    } else if (!isa_from_name(isa, &chosen)) {
       throw py::value_error("isa must be 'auto', 'avx512vnni', 'avx512', 'avx2' or 'scalar', got '" + isa + "'");
     }
     store_ = std::make_unique<fd::KVStore>(num_layers, num_kv_heads, head_dim, static_cast<size_t>(capacity_bytes),
@@ -79,12 +83,9 @@ class PyKVStore {
   }
 
   std::string isa() const {
-    switch (store_->isa()) {
-      case fd::Isa::avx512vnni: return "avx512vnni";
-      case fd::Isa::avx512: return "avx512";
-      case fd::Isa::avx2: return "avx2";
-      default: return "scalar";
-    }
+    for (const auto& [n, i] : kIsaNames)
+      if (store_->isa() == i) return n;
+    return "scalar";
   }
 
   void create(const py::array& ids) {
@@ -277,12 +278,9 @@ PYBIND11_MODULE(_kernels, m) {
     }
   });
   m.def("cpu_supports", [](const std::string& isa) {
-    const auto L = fd::Layout::make(1, 64, 16, false);
-    if (isa == "avx512vnni") return fd::isa_supported(fd::Isa::avx512vnni, L, nullptr);
-    if (isa == "avx512") return fd::isa_supported(fd::Isa::avx512, L, nullptr);
-    if (isa == "avx2") return fd::isa_supported(fd::Isa::avx2, L, nullptr);
-    if (isa == "scalar") return true;
-    throw py::value_error("unknown isa '" + isa + "'");
+    fd::Isa chosen;
+    if (!isa_from_name(isa, &chosen)) throw py::value_error("unknown isa '" + isa + "'");
+    return fd::isa_supported(chosen, fd::Layout::make(1, 64, 16, false), nullptr);
   });
   py::class_<fd::StreamBuffer>(m, "StreamBuffer",
                                "STREAM-style read bandwidth over a buffer mapped like the KV pool (huge pages)")
