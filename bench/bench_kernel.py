@@ -59,18 +59,22 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def filled_store(fmt: str, k: np.ndarray, v: np.ndarray, batch: int) -> KVStore:
+    """A store of `batch` sequences 0.., each holding k, v [ctx, hkv, d]."""
+    ctx, hkv, d = k.shape
+    store = KVStore(1, hkv, d, capacity_bytes=batch * ctx * hkv * d * 4 + (64 << 20), kv_format=fmt)
+    store.create(list(range(batch)))
+    for s in range(batch):
+        store.append_span(0, [s], [ctx], k, v)
+    return store
+
+
 def bench_ours(h, d, hkv, batch, ctx, q, repeats, stream) -> dict:
     """Our fp16 and int4 kernels on the same data, their calls interleaved with STREAM passes
     (same threads), so all three see the same machine load; medians of `repeats`."""
     k, v = kv_data(ctx, hkv, d)
     ids = list(range(batch))
-    stores = {}
-    for fmt in ("fp16", "int4"):
-        store = KVStore(1, hkv, d, capacity_bytes=batch * ctx * hkv * d * 4 + (64 << 20), kv_format=fmt)
-        store.create(ids)
-        for s in ids:
-            store.append_span(0, [s], [ctx], k, v)
-        stores[fmt] = store
+    stores = {fmt: filled_store(fmt, k, v, batch) for fmt in ("fp16", "int4")}
     out = {"isa": stores["fp16"].isa, "kv_bytes": {f: st.stats()["bytes_used"] for f, st in stores.items()}}
     for th in THREADS:
         times = {"fp16": [], "int4": [], "stream": []}
@@ -96,12 +100,8 @@ def bench_int4_in_cache(repeats: int) -> dict:
     """int4 at the 7B MHA shape on a cache small enough to stay in the last-level cache (2 x 1024
     tokens, 10 MiB): the kernel's compute speed without DRAM, per thread count (GB/s of int4 data)."""
     h, d, hkv, batch, ctx = 32, 128, 32, 2, 1024
-    k, v = kv_data(ctx, hkv, d)
     ids = list(range(batch))
-    store = KVStore(1, hkv, d, capacity_bytes=batch * ctx * hkv * d * 4 + (64 << 20), kv_format="int4")
-    store.create(ids)
-    for s in ids:
-        store.append_span(0, [s], [ctx], k, v)
+    store = filled_store("int4", *kv_data(ctx, hkv, d), batch)
     q = np.random.default_rng(1).standard_normal((batch, h, d), dtype=np.float32)
     nbytes = store.stats()["bytes_used"]
     out = {"batch": batch, "context": ctx, "kv_bytes": nbytes}
