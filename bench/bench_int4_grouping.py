@@ -1,9 +1,10 @@
 """int4 KV grouping: which groups keep the default model's perplexity closest to fp16 KV.
 
-    make bench-int4-grouping        # -> bench/results/int4_grouping.json (about 20 minutes on 2 cores)
+    make bench-int4-grouping        # -> bench/results/int4_grouping.json (about 30 minutes on 2 cores)
 
-The kernel quantizes keys and values per token (groups of 32 channels of one token, asymmetric,
-fp16 scale and zero). KIVI quantizes keys per channel (groups of tokens of one channel), which
+The kernel quantizes keys and values per token (groups of channels of one token, asymmetric, fp16
+scale and zero; by default 32 channels for keys, 64 for values, `k_group` / `v_group` otherwise).
+KIVI quantizes keys per channel (groups of tokens of one channel), which
 follows the outlier channels of keys, and values per token. Per-channel groups need their tokens
 to be complete, so the newest tokens of an unfinished group stay in fp16 until it fills (KIVI's
 residual); a paged store would quantize a block once its last token arrives.
@@ -11,8 +12,9 @@ residual); a paged store would quantize a block once its last token arrives.
 Each scheme runs as fake quantization in the plain-torch backend (stored values = dequantized
 int4, same rounding as the kernel's quantize_group), through fastdecode.eval on the same text,
 chunks and context as bench/results/perplexity.json. Peers in the same run: fp16 KV and int4 KV
-in the real kernel, without fp16 tails (the "token32" simulation must match it closely) and with
-them (the store's default: keys and values of each sequence's newest block in fp16).
+in the real kernel at its default groups, without fp16 tails (the "k32_v64" simulation must match
+it closely) and with them (the store's default: keys and values of each sequence's newest block in
+fp16).
 """
 from __future__ import annotations
 
@@ -133,12 +135,20 @@ class FakeInt4Attention(TorchAttention):
 
 
 SCHEMES = {   # name -> (K grouping, V grouping)
-    "token32": (("token", 32), ("token", 32)),          # the kernel's format
+    "token32": (("token", 32), ("token", 32)),          # the kernel's format at k_group = v_group = 32
+    "k32_v64": (("token", 32), ("token", 64)),          # the kernel's default format
     "kchannel16": (("channel", 16), ("token", 32)),     # KIVI, groups of one KV block (16 tokens)
     "kchannel32": (("channel", 32), ("token", 32)),     # KIVI, groups of 32 tokens
     "kvchannel16": (("channel", 16), ("channel", 16)),  # both per channel
     "token32_ktail16": (("token_tail", 32, 16), ("token", 32)),          # KIVI's fp16 residual alone
     "kchannel16_requant": (("channel_requant", 16, 32), ("token", 32)),  # per channel, no fp16 residual
+    # per token with the newest block (16 tokens) of K and V in fp16, as the store's fp16 tails:
+    # fewer, larger groups carry fewer scale / zero bytes (160, 152 and 144 bytes per token and
+    # kv head at D=128 for 32/32, 32/64 and 64/64)
+    "token32_tail16": (("token_tail", 32, 16), ("token_tail", 32, 16)),
+    "k32_v64_tail16": (("token_tail", 32, 16), ("token_tail", 64, 16)),
+    "k64_v32_tail16": (("token_tail", 64, 16), ("token_tail", 32, 16)),
+    "token64_tail16": (("token_tail", 64, 16), ("token_tail", 64, 16)),
 }
 
 
@@ -156,7 +166,7 @@ def main(argv=None) -> int:
     loaded = load_model(base.model, base.dtype, base.torch_device, base.max_model_len)
     runs = {}
     kernel = {"kernel_fp16": base.replace(kv_format="fp16"),
-              "kernel_int4": base.replace(kv_format="int4", kv_int4_fp16_tail=False),   # = token32
+              "kernel_int4": base.replace(kv_format="int4", kv_int4_fp16_tail=False),   # = k32_v64
               "kernel_int4_fp16_tail": base.replace(kv_format="int4")}    # the default: K and V tail
     for key, config in kernel.items():
         runs[key] = perplexity(config, text, PREFIX, a.chunks, loaded, a.context)
@@ -172,8 +182,8 @@ def main(argv=None) -> int:
     result = {"bench": "int4_grouping", "model": Path(a.model).name, "text": name,
               "context": runs["kernel_fp16"]["context"], "chunks": a.chunks, "runs": runs,
               "over_fp16": {k: r["perplexity"] / fp16 for k, r in runs.items()},
-              "simulation_check": runs["token32"]["perplexity"] / runs["kernel_int4"]["perplexity"]
-              if "token32" in runs else None,
+              "simulation_check": runs["k32_v64"]["perplexity"] / runs["kernel_int4"]["perplexity"]
+              if "k32_v64" in runs else None,
               "note": "channel schemes keep the newest < N tokens of each group in fp16 (KIVI's residual)",
               "wall_s": time.perf_counter() - t0}
     result["best"] = min((k for k in runs if k != "kernel_fp16"), key=lambda k: runs[k]["perplexity"])

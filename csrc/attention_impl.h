@@ -14,8 +14,8 @@
 // of the nibbles with q in 24-bit fixed point (q_limbs), summed exactly in int32.
 // The plain float64 version is `reference_attention` in fastdecode/kernels.py.
 //
-// int4: a stored value is x = scale * u + zero (u in 0..15, per group of qg
-// channels of one token). The kernels never materialise x:
+// int4: a stored value is x = scale * u + zero (u in 0..15, per group of channels
+// of one token: kg for keys, vg for values). The kernels never materialise x:
 //     q . k   = sum_groups  scale_g * (q . u)_g + zero_g * sum_g(q)
 //     sum_t p_t v_t = sum_t (p_t * scale_t) u_t  +  sum_t p_t * zero_t   (per group)
 
@@ -95,7 +95,7 @@ template <int GT>
 static void scores_int4(const Layout& L, const uint8_t* head, int n, const float* q, const float* qsum,
                         float* P, int ps) {
   constexpr int CH = GT == 1 ? 8 : (GT == 2 ? 4 : (GT <= 4 ? 2 : 1));  // FMA chains per head
-  const int D = L.head_dim, bsp = L.bsp, qg = L.qgroup, ng = D / qg;
+  const int D = L.head_dim, bsp = L.bsp, qg = L.kgroup, ng = D / qg;
   const uint32_t* Kn = reinterpret_cast<const uint32_t*>(head + L.k_off);
   const uint16_t* Ks = reinterpret_cast<const uint16_t*>(head + L.ks_off);
   const uint16_t* Kz = reinterpret_cast<const uint16_t*>(head + L.kz_off);
@@ -129,31 +129,32 @@ static void scores_int4(const Layout& L, const uint8_t* head, int n, const float
 }
 
 #ifdef FD_VNNI
-// q in fixed point for the integer path: per query head and group of 32 channels,
+// q in fixed point for the integer path: per query head and key group (kg channels),
 // q_d ~= fs * (a_d * 2^16 + b_d * 2^8 + c_d), a, b, c signed bytes, |q_d - that| <= fs / 2
 // with fs = max_d |q_d| / (2^23 - 2^16): the error of rounding the group's largest |q| to fp32.
 // limbs[(g * 3 + limb) * D/4 + i] packs the limb of channels 4i..4i+3, one byte each.
-static void q_limbs(const float* q, int G, int D, int32_t* limbs, float* fs) {
-  const int ng = D / 32;
+template <int KG>
+static void q_limbs(const float* q, int G, int D, int kg_rt, int32_t* limbs, float* fs) {
+  const int kg = KG ? KG : kg_rt, ng = D / kg;
   for (int g = 0; g < G; ++g) {
     int8_t* la = reinterpret_cast<int8_t*>(limbs + (g * 3 + 0) * (D / 4));
     int8_t* lb = reinterpret_cast<int8_t*>(limbs + (g * 3 + 1) * (D / 4));
     int8_t* lc = reinterpret_cast<int8_t*>(limbs + (g * 3 + 2) * (D / 4));
     for (int grp = 0; grp < ng; ++grp) {
-      const float* x = q + g * D + grp * 32;
+      const float* x = q + g * D + grp * kg;
       float mx = 0.0f;
-      for (int d = 0; d < 32; ++d) mx = std::fabs(x[d]) > mx ? std::fabs(x[d]) : mx;
+      for (int d = 0; d < kg; ++d) mx = std::fabs(x[d]) > mx ? std::fabs(x[d]) : mx;
       float f = mx / 8323072.0f;
       if (!(f >= 1.17549435e-38f)) f = mx > 0.0f ? 1.17549435e-38f : 1.0f;  // subnormal or zero q
       fs[g * ng + grp] = f;
       const float inv = 1.0f / f;
-      for (int d = 0; d < 32; ++d) {
+      for (int d = 0; d < kg; ++d) {
         const int32_t Q = static_cast<int32_t>(std::nearbyint(x[d] * inv));
         const int32_t c = ((Q + 128) & 255) - 128, q1 = (Q - c) / 256;
         const int32_t b = ((q1 + 128) & 255) - 128, a = (q1 - b) / 256;
-        la[grp * 32 + d] = static_cast<int8_t>(a);
-        lb[grp * 32 + d] = static_cast<int8_t>(b);
-        lc[grp * 32 + d] = static_cast<int8_t>(c);
+        la[grp * kg + d] = static_cast<int8_t>(a);
+        lb[grp * kg + d] = static_cast<int8_t>(b);
+        lc[grp * kg + d] = static_cast<int8_t>(c);
       }
     }
   }
@@ -161,11 +162,12 @@ static void q_limbs(const float* q, int G, int D, int32_t* limbs, float* fs) {
 
 // QK for int4 keys with integer dot products (u8 nibbles x s8 limbs, 4 channels per lane
 // and instruction), three limbs summed exactly in int32, combined in fp32 once per group.
-template <int GT>
+// KG: the key group when fixed at compile time, else 0 (L.kgroup).
+template <int GT, int KG>
 static void scores_int4_vnni(const Layout& L, const uint8_t* head, int n, const int32_t* limbs, const float* fs,
                              const float* qsum, float* P, int ps) {
   constexpr int CH = GT <= 2 ? 2 : 1;  // accumulators per (head, limb): low and high nibbles apart
-  const int D = L.head_dim, bsp = L.bsp, ng = D / 32, D4 = D / 4;
+  const int D = L.head_dim, bsp = L.bsp, kr = (KG ? KG : L.kgroup) / 8, ng = D / (8 * kr), D4 = D / 4;
   const uint32_t* Kn = reinterpret_cast<const uint32_t*>(head + L.k_off);
   const uint16_t* Ks = reinterpret_cast<const uint16_t*>(head + L.ks_off);
   const uint16_t* Kz = reinterpret_cast<const uint16_t*>(head + L.kz_off);
@@ -177,9 +179,9 @@ static void scores_int4_vnni(const Layout& L, const uint8_t* head, int n, const 
       for (int g = 0; g < GT; ++g)
         for (int l = 0; l < 3; ++l)
           for (int j = 0; j < CH; ++j) a[g][l][j] = V::izero();
-#pragma GCC unroll 4
-      for (int rr = 0; rr < 4; ++rr) {
-        const int r = grp * 4 + rr;
+#pragma GCC unroll 8
+      for (int rr = 0; rr < kr; ++rr) {
+        const int r = grp * kr + rr;
         typename V::I lo, hi;
         V::nib_bytes(V::load_u32(Kn + static_cast<ptrdiff_t>(r) * bsp + c0), lo, hi);
         for (int g = 0; g < GT; ++g)
@@ -198,7 +200,7 @@ static void scores_int4_vnni(const Layout& L, const uint8_t* head, int n, const 
           B = V::iadd(B, a[g][1][CH - 1]);
           C = V::iadd(C, a[g][2][CH - 1]);
         }
-        // |C| < 2^16 and |B| * 2^8 < 2^24: the inner sum is exact; one rounding in the outer.
+        // kg <= 32: |C| < 2^16 and |B| * 2^8 < 2^24, the inner sum is exact; one rounding in the outer.
         const F dot = V::fma(V::cvt(A), V::set1(65536.0f), V::fma(V::cvt(B), V::set1(256.0f), V::cvt(C)));
         s[g][grp & 1] = V::fma(ks, V::mul(dot, V::set1(fs[g * ng + grp])), s[g][grp & 1]);
         z[g] = V::fma(kz, V::set1(qsum[g * ng + grp]), z[g]);
@@ -286,47 +288,56 @@ static void pv_fp16(const Layout& L, const uint8_t* head, int n, const float* P,
   for (; d0 < D; d0 += W) pv_fp16_chunk<GT, 1>(Vr, D, n, P, ps, acc, d0, pf);
 }
 
+// The MHA case (one query head), in named registers (arrays were spilled): four runs of W
+// nibble bytes of a token in flight, each the low and high channels of one group, so that it does
+// not depend on the group size. Needs (D / 2) % (4 * W) == 0 and half % W == 0.
+template <int QG>
+static void pv_int4_mha(int D, int half_rt, int bsp, int n, const uint8_t* Vn, const float* Cc, float* acc,
+                        Prefetch& pf_io) {
+  Prefetch pf = pf_io;  // a local copy stays in registers
+  const int half = QG ? QG / 2 : half_rt, qg = 2 * half;
+  for (int o = 0; o < D / 2; o += 4 * W) {
+    float* a[4];  // the low channels of run r; its high channels are half further
+    const float* c[4];
+    for (int r = 0; r < 4; ++r) {
+      const int grp = (o + r * W) / half, i = (o + r * W) % half;
+      a[r] = acc + grp * qg + i;
+      c[r] = Cc + grp * bsp;
+    }
+    F l0 = V::load(a[0]), h0 = V::load(a[0] + half), l1 = V::load(a[1]), h1 = V::load(a[1] + half);
+    F l2 = V::load(a[2]), h2 = V::load(a[2] + half), l3 = V::load(a[3]), h3 = V::load(a[3] + half);
+    const float *c0 = c[0], *c1 = c[1], *c2 = c[2], *c3 = c[3];
+    const uint8_t* src = Vn + o;
+    for (int t = 0; t < n; ++t, src += D / 2) {
+      if (pf.per_step <= 3 && pf.cur + 3 * 64 <= pf.end) {  // the common case, unrolled (6% faster)
+        V::prefetch(pf.cur);
+        V::prefetch(pf.cur + 64);
+        V::prefetch(pf.cur + 128);
+        pf.cur += 3 * 64;
+      } else {
+        pf.step();
+      }
+      F lo, hi, k;
+      V::nib(src, lo, hi);
+      k = V::set1(c0[t]); l0 = V::fma(k, lo, l0); h0 = V::fma(k, hi, h0);
+      V::nib(src + W, lo, hi);
+      k = V::set1(c1[t]); l1 = V::fma(k, lo, l1); h1 = V::fma(k, hi, h1);
+      V::nib(src + 2 * W, lo, hi);
+      k = V::set1(c2[t]); l2 = V::fma(k, lo, l2); h2 = V::fma(k, hi, h2);
+      V::nib(src + 3 * W, lo, hi);
+      k = V::set1(c3[t]); l3 = V::fma(k, lo, l3); h3 = V::fma(k, hi, h3);
+    }
+    V::store(a[0], l0); V::store(a[0] + half, h0); V::store(a[1], l1); V::store(a[1] + half, h1);
+    V::store(a[2], l2); V::store(a[2] + half, h2); V::store(a[3], l3); V::store(a[3] + half, h3);
+  }
+  pf_io = pf;
+}
+
 template <int GT, int GC, int QG>
 static void pv_int4_groups(int D, int ng, int half_rt, int bsp, int n, const uint8_t* Vn, const float* Cc, float* acc,
                            Prefetch& pf_io) {
   Prefetch pf = pf_io;  // a local copy stays in registers
   const int half = QG ? QG / 2 : half_rt, qg = 2 * half;
-  if constexpr (GT == 1 && GC == 4) {  // the MHA case, in named registers (arrays were spilled)
-    for (int g0 = 0; g0 < ng; g0 += 4) {
-      for (int i = 0; i < half; i += W) {
-        float* a = acc + g0 * qg + i;
-        F l0 = V::load(a), h0 = V::load(a + half), l1 = V::load(a + qg), h1 = V::load(a + qg + half);
-        F l2 = V::load(a + 2 * qg), h2 = V::load(a + 2 * qg + half);
-        F l3 = V::load(a + 3 * qg), h3 = V::load(a + 3 * qg + half);
-        const uint8_t* src = Vn + g0 * half + i;
-        const float *c0 = Cc + g0 * bsp, *c1 = c0 + bsp, *c2 = c1 + bsp, *c3 = c2 + bsp;
-        for (int t = 0; t < n; ++t, src += D / 2) {
-          if (pf.per_step <= 3 && pf.cur + 3 * 64 <= pf.end) {  // the common case, unrolled (6% faster)
-            V::prefetch(pf.cur);
-            V::prefetch(pf.cur + 64);
-            V::prefetch(pf.cur + 128);
-            pf.cur += 3 * 64;
-          } else {
-            pf.step();
-          }
-          F lo, hi, k;
-          V::nib(src, lo, hi);
-          k = V::set1(c0[t]); l0 = V::fma(k, lo, l0); h0 = V::fma(k, hi, h0);
-          V::nib(src + half, lo, hi);
-          k = V::set1(c1[t]); l1 = V::fma(k, lo, l1); h1 = V::fma(k, hi, h1);
-          V::nib(src + 2 * half, lo, hi);
-          k = V::set1(c2[t]); l2 = V::fma(k, lo, l2); h2 = V::fma(k, hi, h2);
-          V::nib(src + 3 * half, lo, hi);
-          k = V::set1(c3[t]); l3 = V::fma(k, lo, l3); h3 = V::fma(k, hi, h3);
-        }
-        V::store(a, l0); V::store(a + half, h0); V::store(a + qg, l1); V::store(a + qg + half, h1);
-        V::store(a + 2 * qg, l2); V::store(a + 2 * qg + half, h2);
-        V::store(a + 3 * qg, l3); V::store(a + 3 * qg + half, h3);
-      }
-    }
-    pf_io = pf;
-    return;
-  }
   for (int g0 = 0; g0 < ng; g0 += GC) {
     for (int i = 0; i < half; i += W) {
       F lo_acc[GT][GC], hi_acc[GT][GC];
@@ -367,7 +378,7 @@ static void pv_int4_groups(int D, int ng, int half_rt, int bsp, int n, const uin
 template <int GT, int QG>
 static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P, int ps, float* Cc, float* acc,
                     float* zacc, Prefetch& pf) {
-  const int D = L.head_dim, bsp = L.bsp, qg = L.qgroup, ng = D / qg, half = qg / 2;
+  const int D = L.head_dim, bsp = L.bsp, qg = L.vgroup, ng = D / qg, half = qg / 2;
   const uint8_t* Vn = head + L.v_off;
   const uint16_t* Vs = reinterpret_cast<const uint16_t*>(head + L.vs_off);
   const uint16_t* Vz = reinterpret_cast<const uint16_t*>(head + L.vz_off);
@@ -382,6 +393,8 @@ static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P,
         V::store(z, V::fma(p, zr, V::load(z)));
       }
     }
+  if (GT == 1 && (D / 2) % (4 * W) == 0 && half % W == 0)
+    return pv_int4_mha<QG>(D, half, bsp, n, Vn, Cc, acc, pf);
   constexpr int GC = GT == 1 ? 4 : (GT == 2 ? 2 : 1);  // groups in flight: >= 8 FMA chains
   if (ng % GC == 0)
     pv_int4_groups<GT, GC, QG>(D, ng, half, bsp, n, Vn, Cc, acc, pf);
@@ -399,24 +412,25 @@ struct ItemState {
 // Scores of one block for GT query heads (rows rho.. of one kv head) into P (row stride ps).
 // l1_values: also fetch the block's V part into L1 for the P V that follows the chunk's scores (int4:
 // the region is small, and its V waiting in L2 stalled the P V loop).
-template <int GT>
+template <int GT, int KG>
 static void score_tile(const Layout& L, const uint8_t* head, int n, const float* q, const ItemState& st, int rho,
-                       int ng, float* P, int ps, Prefetch& pf, bool l1_values = false) {
+                       int nkg, float* P, int ps, Prefetch& pf, bool l1_values = false) {
   if (l1_values)
     for (size_t o = L.v_off; o < L.head_bytes; o += 64) __builtin_prefetch(head + o, 0, 3);
   if (!L.int4) return scores_fp16<GT>(L, head, n, q, P, ps, pf);
 #ifdef FD_VNNI
-  return scores_int4_vnni<GT>(L, head, n, st.limbs + rho * 3 * (L.head_dim / 4), st.fs + rho * ng,
-                              st.qsum + rho * ng, P, ps);
+  const int32_t* limbs = st.limbs + rho * 3 * (L.head_dim / 4);
+  const float *fs = st.fs + rho * nkg, *qsum = st.qsum + rho * nkg;
+  return scores_int4_vnni<GT, KG>(L, head, n, limbs, fs, qsum, P, ps);
 #else
-  return scores_int4<GT>(L, head, n, q, st.qsum + rho * ng, P, ps);
+  return scores_int4<GT>(L, head, n, q, st.qsum + rho * nkg, P, ps);
 #endif
 }
 
 // Online-softmax update of GT rows from rho over n positions of their P rows:
 // probabilities into P, and the rows' accumulators rescaled where their running max moved.
 template <int GT>
-static void softmax_rows(const Layout& L, int n, const ItemState& st, int rho, int ng, int ps) {
+static void softmax_rows(const Layout& L, int n, const ItemState& st, int rho, int nvg, int ps) {
   const int D = L.head_dim;
   float corr[GT];
   softmax_tile<GT>(st.P, ps, n, st.m + rho, st.l + rho * W, corr);
@@ -425,20 +439,19 @@ static void softmax_rows(const Layout& L, int n, const ItemState& st, int rho, i
     const F c = V::set1(corr[g]);
     float* acc = st.acc + (rho + g) * D;
     for (int d = 0; d < D; d += W) V::store(acc + d, V::mul(c, V::load(acc + d)));
-    float* z = st.zacc + (rho + g) * ng * W;
-    for (int i = 0; i < ng * W; i += W) V::store(z + i, V::mul(c, V::load(z + i)));
+    float* z = st.zacc + (rho + g) * nvg * W;
+    for (int i = 0; i < nvg * W; i += W) V::store(z + i, V::mul(c, V::load(z + i)));
   }
 }
 
 // P V of one block for GT rows from rho of one kv head; P is the block's slice of their rows.
-template <int GT>
-static void pv_tile(const Layout& L, const uint8_t* head, int n, const ItemState& st, int rho, int ng,
+template <int GT, int VG>
+static void pv_tile(const Layout& L, const uint8_t* head, int n, const ItemState& st, int rho, int nvg,
                     const float* P, int ps, Prefetch& pf) {
   float* acc = st.acc + rho * L.head_dim;
-  if (L.int4 && L.qgroup == 32)
-    pv_int4<GT, 32>(L, head, n, P, ps, st.Cc, acc, st.zacc + rho * ng * W, pf);
-  else if (L.int4)
-    pv_int4<GT, 0>(L, head, n, P, ps, st.Cc, acc, st.zacc + rho * ng * W, pf);
+  float* zacc = st.zacc + rho * nvg * W;
+  if (L.int4)
+    pv_int4<GT, VG>(L, head, n, P, ps, st.Cc, acc, zacc, pf);
   else
     pv_fp16<GT>(L, head, n, P, ps, acc, pf);
 }
@@ -501,9 +514,9 @@ struct RegionWalk {
 
 // One chunk (blocks i0 .. i0 + nb) of GT rows from rho, all of kv head j: the scores of every
 // block, one softmax update, then P V block by block, prefetching from pfw (if given).
-template <int GT>
+template <int GT, int KG, int VG>
 static void chunk_tile(const RegionWalk& w, int i0, int nb, int j, int ntok, const float* q, const ItemState& st,
-                       int rho, int ng, int ps, RegionWalk* pfw, int pf_lines, const uint8_t* tail) {
+                       int rho, int nkg, int nvg, int ps, RegionWalk* pfw, int pf_lines, const uint8_t* tail) {
   const int bs = w.L->block_size, bsp = w.L->bsp;
   float* P = st.P;  // the tile's rows; the next tile reuses it
   // fp16 (one block per chunk): the prefetch of the region ahead runs through the scores and the P V
@@ -519,21 +532,21 @@ static void chunk_tile(const RegionWalk& w, int i0, int nb, int j, int ntok, con
   for (int c = 0; c < nb; ++c) {
     const int n = tokens(c);
     if (c == tail_c)  // the fp16 copy of the newest block (a separate call: the common one keeps *w.L fixed)
-      score_tile<GT>(*w.T, tail, n, q, st, rho, ng, P + c * bsp, ps, pf0);
+      score_tile<GT, KG>(*w.T, tail, n, q, st, rho, nkg, P + c * bsp, ps, pf0);
     else
-      score_tile<GT>(*w.L, w.at(i0 + c, j), n, q, st, rho, ng, P + c * bsp, ps, pf0, w.L->int4);
+      score_tile<GT, KG>(*w.L, w.at(i0 + c, j), n, q, st, rho, nkg, P + c * bsp, ps, pf0, w.L->int4);
     if (c < nb - 1 && n < bsp)  // a short block inside the chunk: no token at its tail
       for (int g = 0; g < GT; ++g)
         for (int t = n; t < bsp; ++t) P[g * ps + c * bsp + t] = -__builtin_inff();
     n_all = c * bsp + n;
   }
-  softmax_rows<GT>(*w.L, n_all, st, rho, ng, ps);
+  softmax_rows<GT>(*w.L, n_all, st, rho, nvg, ps);
   for (int c = 0; c < nb; ++c) {
     Prefetch pf = !w.L->int4 ? pf0 : pfw ? pfw->next(pf_lines) : Prefetch();
     if (c == tail_c)
-      pv_tile<GT>(*w.T, tail, tokens(c), st, rho, ng, P + c * bsp, ps, pf);
+      pv_tile<GT, VG>(*w.T, tail, tokens(c), st, rho, nvg, P + c * bsp, ps, pf);
     else
-      pv_tile<GT>(*w.L, w.at(i0 + c, j), tokens(c), st, rho, ng, P + c * bsp, ps, pf);
+      pv_tile<GT, VG>(*w.L, w.at(i0 + c, j), tokens(c), st, rho, nvg, P + c * bsp, ps, pf);
   }
 }
 
@@ -543,10 +556,12 @@ static void chunk_tile(const RegionWalk& w, int i0, int nb, int j, int ntok, con
 // The item's blocks are walked in chunks of NB, and each chunk head by head: the scores of
 // the head's NB regions, one softmax update, then their P V. The regions of a chunk lie side by
 // side within each block (a block stores its heads next to each other).
-static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
+// KG, VG: the int4 groups when fixed at compile time, else 0 (read from the layout).
+template <int KG, int VG>
+static void run_items_groups(const AttnJob& J, int begin, int end, float* scratch) {
   const Layout& L = *J.L;
   const int D = L.head_dim, G = J.G, Hkv = L.num_kv_heads, bs = L.block_size, bsp = L.bsp;
-  const int ng = L.int4 ? D / L.qgroup : 0;
+  const int nkg = L.int4 ? D / L.kgroup : 0, nvg = L.int4 ? D / L.vgroup : 0;
   const int span = J.head_span, spans = (Hkv + span - 1) / span;
   const int NB = L.int4 ? kChunkBlocksInt4 : kChunkBlocksFp16, ps = NB * bsp;  // ps: P row stride
   float* sp = align16(scratch);
@@ -555,12 +570,12 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
   ItemState st;
   st.acc = take(static_cast<size_t>(rows) * D);
   st.P = take(static_cast<size_t>(8) * ps);
-  st.Cc = take(static_cast<size_t>(8) * ng * bsp);
+  st.Cc = take(static_cast<size_t>(8) * nvg * bsp);
   st.m = take(rows);
   st.l = take(static_cast<size_t>(rows) * W);
-  st.qsum = take(static_cast<size_t>(rows) * ng);
-  st.zacc = take(static_cast<size_t>(rows) * ng * 16);
-  st.fs = take(static_cast<size_t>(rows) * ng);
+  st.qsum = take(static_cast<size_t>(rows) * nkg);
+  st.zacc = take(static_cast<size_t>(rows) * nvg * 16);
+  st.fs = take(static_cast<size_t>(rows) * nkg);
   st.limbs = reinterpret_cast<int32_t*>(take(static_cast<size_t>(rows) * 3 * (D / 4)));
   const size_t pf_bytes = L.int4 ? kPrefetchBytesInt4 : kPrefetchBytesFp16;
   const int pf_regions = static_cast<int>((pf_bytes + L.head_bytes - 1) / L.head_bytes);
@@ -575,15 +590,15 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
     for (int rho = 0; rho < nrows; ++rho) st.m[rho] = -__builtin_inff();
     std::memset(st.l, 0, sizeof(float) * nrows * W);
     std::memset(st.acc, 0, sizeof(float) * nrows * D);
-    std::memset(st.zacc, 0, sizeof(float) * nrows * ng * W);
+    std::memset(st.zacc, 0, sizeof(float) * nrows * nvg * W);
     for (int rho = 0; rho < nrows; ++rho)
-      for (int grp = 0; grp < ng; ++grp) {
+      for (int grp = 0; grp < nkg; ++grp) {
         float sum = 0.0f;
-        for (int d = 0; d < L.qgroup; ++d) sum += qb[rho * D + grp * L.qgroup + d];
-        st.qsum[rho * ng + grp] = sum;
+        for (int d = 0; d < L.kgroup; ++d) sum += qb[rho * D + grp * L.kgroup + d];
+        st.qsum[rho * nkg + grp] = sum;
       }
 #ifdef FD_VNNI
-    if (L.int4) q_limbs(qb, nrows, D, st.limbs, st.fs);
+    if (L.int4) q_limbs<KG>(qb, nrows, D, L.kgroup, st.limbs, st.fs);
 #endif
     const int nblk = (ntok + bs - 1) / bs;
     const RegionWalk walk{&L, J.T, J.pool, table, h0, nh, nblk, NB};
@@ -598,7 +613,7 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
           const int rho = j * G + g0;
           const float* q = qb + static_cast<size_t>(rho) * D;
           const uint8_t* tail = tail0 ? tail0 + static_cast<size_t>(h0 + j) * J.T->head_bytes : nullptr;
-#define FD_CALL(T) chunk_tile<T>(walk, i0, nb, j, ntok, q, st, rho, ng, ps, g0 == 0 ? &ahead : nullptr, pf_lines, tail)
+#define FD_CALL(T) chunk_tile<T, KG, VG>(walk, i0, nb, j, ntok, q, st, rho, nkg, nvg, ps, g0 == 0 ? &ahead : nullptr, pf_lines, tail)
           FD_TILE_SWITCH(G - g0 < 8 ? G - g0 : 8, FD_CALL)
 #undef FD_CALL
         }
@@ -607,11 +622,19 @@ static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
       float* out = J.out + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h0) * G + rho) * D;
       float* acc = st.acc + rho * D;
       const float inv = 1.0f / V::hsum(V::load(st.l + rho * W));
-      for (int grp = 0; grp < ng; ++grp) {
-        const float z = V::hsum(V::load(st.zacc + (rho * ng + grp) * W));
-        for (int d = grp * L.qgroup; d < (grp + 1) * L.qgroup; ++d) acc[d] += z;
+      for (int grp = 0; grp < nvg; ++grp) {
+        const float z = V::hsum(V::load(st.zacc + (rho * nvg + grp) * W));
+        for (int d = grp * L.vgroup; d < (grp + 1) * L.vgroup; ++d) acc[d] += z;
       }
       for (int d = 0; d < D; ++d) out[d] = acc[d] * inv;
     }
   }
+}
+
+// The common int4 groups get kernels of their own, with the group sizes as constants.
+static void run_items(const AttnJob& J, int begin, int end, float* scratch) {
+  const Layout& L = *J.L;
+  if (L.int4 && L.kgroup == 32 && L.vgroup == 32) return run_items_groups<32, 32>(J, begin, end, scratch);
+  if (L.int4 && L.kgroup == 32 && L.vgroup == 64) return run_items_groups<32, 64>(J, begin, end, scratch);
+  return run_items_groups<0, 0>(J, begin, end, scratch);
 }

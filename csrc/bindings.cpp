@@ -64,7 +64,8 @@ bool isa_from_name(const std::string& name, fd::Isa* isa) {
 class PyKVStore {
  public:
   PyKVStore(int num_layers, int num_kv_heads, int head_dim, int64_t capacity_bytes, int block_size,
-            const std::string& kv_format, int num_threads, const std::string& isa, bool fp16_tail) {
+            const std::string& kv_format, int num_threads, const std::string& isa, bool fp16_tail, int k_group,
+            int v_group) {
     if (kv_format != "fp16" && kv_format != "int4")
       throw py::value_error("kv_format must be 'fp16' or 'int4', got '" + kv_format + "'");
     if (capacity_bytes <= 0) throw py::value_error("capacity_bytes must be > 0");
@@ -73,12 +74,13 @@ class PyKVStore {
     if (isa == "auto") {
       if (num_layers < 1 || num_kv_heads < 1 || head_dim < 1 || block_size < 1)
         throw py::value_error("num_layers, num_kv_heads, head_dim and block_size must be >= 1");
-      chosen = fd::best_isa(fd::Layout::make(num_kv_heads, head_dim, block_size, int4));
+      auto valid = [&](int g) { return int4 && fd::valid_group(g, head_dim) ? g : 0; };  // the store checks them
+      chosen = fd::best_isa(fd::Layout::make(num_kv_heads, head_dim, block_size, int4, valid(k_group), valid(v_group)));
     } else if (!isa_from_name(isa, &chosen)) {
       throw py::value_error("isa must be 'auto', 'avx512vnni', 'avx512', 'avx2' or 'scalar', got '" + isa + "'");
     }
     store_ = std::make_unique<fd::KVStore>(num_layers, num_kv_heads, head_dim, static_cast<size_t>(capacity_bytes),
-                                           block_size, int4, num_threads, chosen, fp16_tail);
+                                           block_size, int4, num_threads, chosen, fp16_tail, k_group, v_group);
     kv_format_ = kv_format;
   }
 
@@ -226,6 +228,8 @@ class PyKVStore {
   int head_dim() const { return store_->layout().head_dim; }
   int block_size() const { return store_->layout().block_size; }
   int block_bytes() const { return static_cast<int>(store_->layout().block_bytes); }
+  int k_group() const { return store_->layout().kgroup; }
+  int v_group() const { return store_->layout().vgroup; }
   int num_threads() const { return store_->num_threads(); }
   const std::string& kv_format() const { return kv_format_; }
 
@@ -263,8 +267,10 @@ class PyKVStore {
 
 PYBIND11_MODULE(_kernels, m) {
   m.doc() = "fastdecode R-Part kernel: paged fp16/int4 KV store and decode attention";
+  // Types and the translator are module-local: two builds of this module can then be loaded in one
+  // process side by side (bench/kernel_ab.py); global ones collide ("type already registered").
   static py::exception<fd::CapacityErr> capacity_error(m, "CapacityError", PyExc_RuntimeError);
-  py::register_exception_translator([](std::exception_ptr p) {
+  py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const fd::KeyErr& e) {
@@ -283,7 +289,8 @@ PYBIND11_MODULE(_kernels, m) {
     return fd::isa_supported(chosen, fd::Layout::make(1, 64, 16, false), nullptr);
   });
   py::class_<fd::StreamBuffer>(m, "StreamBuffer",
-                               "STREAM-style read bandwidth over a buffer mapped like the KV pool (huge pages)")
+                               "STREAM-style read bandwidth over a buffer mapped like the KV pool (huge pages)",
+                               py::module_local())
       .def(py::init([](int64_t bytes, bool hugepages) {
              if (bytes <= 0) throw py::value_error("bytes must be > 0");
              return std::make_unique<fd::StreamBuffer>(static_cast<size_t>(bytes), hugepages);
@@ -298,17 +305,19 @@ PYBIND11_MODULE(_kernels, m) {
             return b.read(threads);
           },
           py::arg("threads"), "GB/s of one pass over the buffer with `threads` threads");
-  py::class_<PyKVStore>(m, "KVStore")
-      .def(py::init<int, int, int, int64_t, int, const std::string&, int, const std::string&, bool>(),
+  py::class_<PyKVStore>(m, "KVStore", py::module_local())
+      .def(py::init<int, int, int, int64_t, int, const std::string&, int, const std::string&, bool, int, int>(),
            py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("capacity_bytes"),
            py::arg("block_size") = 16, py::arg("kv_format") = "fp16", py::arg("num_threads") = 0,
-           py::arg("isa") = "auto", py::arg("fp16_tail") = false)
+           py::arg("isa") = "auto", py::arg("fp16_tail") = false, py::arg("k_group") = 0, py::arg("v_group") = 0)
       .def_property_readonly("isa", &PyKVStore::isa)
       .def_property_readonly("num_layers", &PyKVStore::num_layers)
       .def_property_readonly("num_kv_heads", &PyKVStore::num_kv_heads)
       .def_property_readonly("head_dim", &PyKVStore::head_dim)
       .def_property_readonly("block_size", &PyKVStore::block_size)
       .def_property_readonly("block_bytes", &PyKVStore::block_bytes)
+      .def_property_readonly("k_group", &PyKVStore::k_group)
+      .def_property_readonly("v_group", &PyKVStore::v_group)
       .def_property_readonly("num_threads", &PyKVStore::num_threads)
       .def_property_readonly("kv_format", &PyKVStore::kv_format)
       .def("create", &PyKVStore::create)

@@ -121,7 +121,7 @@ bool isa_supported(Isa isa, const Layout& L, std::string* why) {
             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")))
         return no("this CPU lacks avx512f/bw/vl/dq");
       if (L.head_dim % 16) return no("avx512 path needs head_dim % 16 == 0");
-      if (L.int4 && L.qgroup % 32) return no("avx512 int4 path needs head_dim % 32 == 0");
+      if (L.int4 && L.vgroup % 32) return no("avx512 int4 path needs a value group of 32 or more channels");
       return true;
 #else
       return no("avx512 kernels not built for this target");
@@ -147,7 +147,7 @@ Isa best_isa(const Layout& L) {
 }
 
 KVStore::KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity_bytes, int block_size, bool int4,
-                 int num_threads, Isa isa, bool fp16_tail)
+                 int num_threads, Isa isa, bool fp16_tail, int k_group, int v_group)
     : num_layers_(num_layers), isa_(isa), capacity_bytes_(capacity_bytes) {
   if (num_layers < 1 || num_kv_heads < 1 || head_dim < 1 || block_size < 1)
     throw ValueErr("num_layers, num_kv_heads, head_dim and block_size must be >= 1");
@@ -156,7 +156,14 @@ KVStore::KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity
   if (int4 && head_dim % 16)
     throw ValueErr("int4 KV needs head_dim % 16 == 0, got " + std::to_string(head_dim));
   if (num_threads < 0) throw ValueErr("num_threads must be >= 0");
-  L_ = Layout::make(num_kv_heads, head_dim, block_size, int4);
+  for (const auto& [name, group] : {std::pair{"k_group", k_group}, std::pair{"v_group", v_group}}) {
+    if (group == 0) continue;
+    if (!int4) throw ValueErr(std::string(name) + " applies to int4 KV only");
+    if (!valid_group(group, head_dim))
+      throw ValueErr(std::string(name) + " must be 16, 32, 64 or 128 channels dividing head_dim " +
+                     std::to_string(head_dim) + ", got " + std::to_string(group));
+  }
+  L_ = Layout::make(num_kv_heads, head_dim, block_size, int4, k_group, v_group);
   std::string why;
   if (!isa_supported(isa, L_, &why)) throw ValueErr("isa not supported: " + why);
   items_ = isa == Isa::avx512vnni ? avx512vnni_items()
@@ -311,23 +318,25 @@ void KVStore::write_token(Seq& s, int layer, int pos, const Input& k, const Inpu
       to_float(static_cast<const uint16_t*>(v.data) + base, vx, D);
     else
       std::memcpy(vx, static_cast<const float*>(v.data) + base, static_cast<size_t>(D) * 4);
-    const int qg = L_.qgroup, half = qg / 2, ng = D / qg;
+    const int kg = L_.kgroup, vg = L_.vgroup, half = vg / 2;
     uint32_t* Kn = reinterpret_cast<uint32_t*>(head + L_.k_off);
     uint16_t* Ks = reinterpret_cast<uint16_t*>(head + L_.ks_off);
     uint16_t* Kz = reinterpret_cast<uint16_t*>(head + L_.kz_off);
     uint8_t* Vn = head + L_.v_off + static_cast<size_t>(slot) * (D / 2);
     uint16_t* Vs = reinterpret_cast<uint16_t*>(head + L_.vs_off);
     uint16_t* Vz = reinterpret_cast<uint16_t*>(head + L_.vz_off);
-    uint8_t u[32];
-    for (int g = 0; g < ng; ++g) {
-      quantize_group(kx + g * qg, qg, u, &Ks[g * bsp + slot], &Kz[g * bsp + slot]);
-      for (int r = 0; r < qg / 8; ++r) {
+    uint8_t u[128];  // one group
+    for (int g = 0; g < D / kg; ++g) {
+      quantize_group(kx + g * kg, kg, u, &Ks[g * bsp + slot], &Kz[g * bsp + slot]);
+      for (int r = 0; r < kg / 8; ++r) {
         const uint8_t* c = u + 8 * r;
         uint32_t w = 0;
         for (int b = 0; b < 4; ++b) w |= static_cast<uint32_t>(c[b] | (c[4 + b] << 4)) << (8 * b);
-        Kn[static_cast<size_t>(g * qg / 8 + r) * bsp + slot] = w;
+        Kn[static_cast<size_t>(g * kg / 8 + r) * bsp + slot] = w;
       }
-      quantize_group(vx + g * qg, qg, u, &Vs[g * bsp + slot], &Vz[g * bsp + slot]);
+    }
+    for (int g = 0; g < D / vg; ++g) {
+      quantize_group(vx + g * vg, vg, u, &Vs[g * bsp + slot], &Vz[g * bsp + slot]);
       for (int j = 0; j < half; ++j) Vn[g * half + j] = static_cast<uint8_t>(u[j] | (u[half + j] << 4));
     }
   }
@@ -552,7 +561,7 @@ void KVStore::read(int64_t id, int layer, std::vector<float>* k, std::vector<flo
         }
         continue;
       }
-      const int qg = L_.qgroup, half = qg / 2;
+      const int kg = L_.kgroup, vg = L_.vgroup, half = vg / 2;
       const uint32_t* Kn = reinterpret_cast<const uint32_t*>(head + L_.k_off);
       const uint16_t* Ks = reinterpret_cast<const uint16_t*>(head + L_.ks_off);
       const uint16_t* Kz = reinterpret_cast<const uint16_t*>(head + L_.kz_off);
@@ -560,13 +569,13 @@ void KVStore::read(int64_t id, int layer, std::vector<float>* k, std::vector<flo
       const uint16_t* Vs = reinterpret_cast<const uint16_t*>(head + L_.vs_off);
       const uint16_t* Vz = reinterpret_cast<const uint16_t*>(head + L_.vz_off);
       for (int d = 0; d < D; ++d) {
-        const int g = d / qg, j = d % qg;
+        const int gk = d / kg, gv = d / vg, j = d % vg;
         const uint32_t kw = Kn[static_cast<size_t>(d / 8) * bsp + slot];
         const int ku = static_cast<int>(kw >> (8 * (d % 4) + 4 * ((d % 8) / 4))) & 15;
-        ko[d] = h2f(Ks[g * bsp + slot]) * ku + h2f(Kz[g * bsp + slot]);
-        const uint8_t vb = Vn[g * half + j % half];
+        ko[d] = h2f(Ks[gk * bsp + slot]) * ku + h2f(Kz[gk * bsp + slot]);
+        const uint8_t vb = Vn[gv * half + j % half];
         const int vu = j < half ? vb & 15 : vb >> 4;
-        vo[d] = h2f(Vs[g * bsp + slot]) * vu + h2f(Vz[g * bsp + slot]);
+        vo[d] = h2f(Vs[gv * bsp + slot]) * vu + h2f(Vz[gv * bsp + slot]);
       }
     }
   }

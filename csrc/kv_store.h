@@ -42,8 +42,9 @@ class KVStore {
   // int4 && fp16_tail: the newest, unfinished block of every (sequence, layer) is also kept in
   // fp16, in a staging area of kTailShare of the capacity, and attention reads it from there
   // (best effort: when the area is full, a new block's tokens are read as int4 only).
+  // k_group, v_group: int4 channels per scale and zero of keys / values (valid_group), 0: the default.
   KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity_bytes, int block_size, bool int4,
-          int num_threads, Isa isa, bool fp16_tail = false);
+          int num_threads, Isa isa, bool fp16_tail = false, int k_group = 0, int v_group = 0);
   ~KVStore();
   KVStore(const KVStore&) = delete;
   KVStore& operator=(const KVStore&) = delete;

@@ -16,6 +16,7 @@ ATTENTION_BACKENDS = ("local", "remote", "torch")
 SCHEDULERS = ("fcfs", "sls")
 KV_FORMATS = ("fp16", "int4")
 DTYPES = ("float32", "bfloat16", "float16")
+INT4_GROUPS = (0, 16, 32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class EngineConfig:
     head_shards: int = 1                  # R-workers that split one sequence's KV heads
     kv_format: str = "fp16"               # fp16 | int4
     kv_int4_fp16_tail: bool = True        # int4: each sequence's newest block also in fp16 (local backend)
+    kv_int4_k_group: int = 0              # int4 (local backend): key channels per scale and zero; 0 = 32
+    kv_int4_v_group: int = 0              # int4 (local backend): value channels per scale and zero; 0 = 64
     kv_capacity_bytes: int = 2 << 30      # local backend's KV pool
     kv_block_size: int = 16               # tokens per KV block
     kernel_threads: int = 0               # 0 = all cores
@@ -73,6 +76,10 @@ class EngineConfig:
         check(self.head_shards >= 1, "head_shards must be >= 1")
         check(self.kv_block_size >= 1 and self.kv_capacity_bytes > 0, "kv_block_size and kv_capacity_bytes > 0")
         check(isinstance(self.kv_int4_fp16_tail, bool), "kv_int4_fp16_tail must be a bool")
+        for name in ("kv_int4_k_group", "kv_int4_v_group"):
+            value = getattr(self, name)
+            check(type(value) is int and value in INT4_GROUPS,
+                  f"{name} must be one of {INT4_GROUPS} (0 = the kernel's default), got {value!r}")
 
     @property
     def torch_device(self) -> str:

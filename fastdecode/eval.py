@@ -74,6 +74,8 @@ def _perplexity(config: EngineConfig, text: str, prefix: int, chunks: int, loade
     seq_ids = list(range(1, chunks + 1))
     targets = torch.tensor(rows)                          # [chunks, length], CPU: token_nll moves each column
     nll, count = 0.0, 0
+    store = getattr(backend, "store", None)                # the local backend's kernel store
+    groups = list(store.groups) if config.kv_format == "int4" and hasattr(store, "groups") else None
     try:
         backend.open(seq_ids)
         with torch.inference_mode():
@@ -94,7 +96,8 @@ def _perplexity(config: EngineConfig, text: str, prefix: int, chunks: int, loade
             "context": length, "chunks": chunks, "prefix": prefix,
             "attention": config.attention, "dtype": config.dtype,
             "kv_format": "fp32" if config.attention == "torch" else config.kv_format,   # torch keeps KV as computed
-            "int4_fp16_tail": config.kv_format == "int4" and config.kv_int4_fp16_tail}
+            "int4_fp16_tail": config.kv_format == "int4" and config.kv_int4_fp16_tail,
+            "int4_groups": groups}                          # [key, value] channels per scale and zero
 
 
 def compare(model: str, text: str, text_name: str, context: int = CONTEXT, chunks: int = CHUNKS,

@@ -12,14 +12,20 @@ Kernel paths (chosen at run time from the CPU's features, or forced with
 `isa=`): "avx512vnni" (as avx512, with int4 key scores as AVX512-VNNI integer dot
 products), "avx512" (AVX-512 F/BW/VL/DQ, 16 lanes), "avx2" (AVX2 + FMA + F16C,
 8 lanes; the paper's ISA) and "scalar" (any CPU). All compute in fp32, except
-that avx512vnni holds q for int4 key scores in 24-bit fixed point per group of 32
-channels (three signed-byte limbs; error at most half an fp32 ulp of the group's
-largest |q|), sums q . u exactly in int32 and converts once per group.
+that avx512vnni holds q for int4 key scores in 24-bit fixed point per key group
+(three signed-byte limbs; error at most half an fp32 ulp of the group's largest
+|q|), sums q . u in int32 and converts once per group.
 
-int4 format: asymmetric, per token, groups of 32 channels (16 when head_dim is
-not a multiple of 32), for keys and values alike; scale and zero point stored
-as fp16 beside each group. That is 4 + 1 = 5 bits per value (160 bytes per
-token and kv head at head_dim 128, vs 512 for fp16: 3.2x less to read).
+int4 format: asymmetric, per token, in groups of channels with an fp16 scale and
+zero point each: `k_group` channels for keys (default 32), `v_group` for values
+(default 64), each 16, 32, 64 or 128 and dividing head_dim (the default falls to
+the largest such group below it; the AVX-512 paths need value groups of 32 or
+more). At head_dim 128 a token of one kv head takes 152 bytes at the defaults
+(3.37x less than fp16's 512), 160 at 32/32, 144 at 64/64. Keys lose more than
+values to larger groups (bench/results/int4_grouping.json, simulated on the
+default model with the newest block in fp16: perplexity over fp16 KV +3.3% at
+32/32, +4.2% at 32/64, +7.8% at 64/32); the kernel with the defaults reads 5%
+fewer bytes than at 32/32 and is 2-7% faster (bench/kernel_ab.py).
 fp16 tails (`fp16_tail=True`, the default; int4 only): the newest, unfinished
 block of every (sequence, layer) is also kept in fp16, in a staging area of 1/8
 of the capacity, and attention reads that block from there; when the block
@@ -27,8 +33,8 @@ fills, its tail goes back to the area and the block is read as int4. Every
 token is still quantized once on append. When the area is full, new blocks
 have no tail (their tokens read as int4) until tails are returned.
 Measured cost (bench/results/perplexity.json, `python -m fastdecode.eval
---compare`): SmolLM2-135M perplexity 11.215 (fp16 KV) -> 11.610 (int4 KV with
-fp16 tails, +3.5%), 12.141 without tails (+8.3%), on 8 chunks of 1024 tokens of
+--compare`): SmolLM2-135M perplexity 11.215 (fp16 KV) -> 11.644 (int4 KV, default
+groups, with fp16 tails, +3.8%), 12.187 without tails (+8.7%), on 8 chunks of 1024 tokens of
 English prose (pydoc_data "The standard type hierarchy"), 8128 decoded tokens
 scored, each attending over every earlier K and V of its chunk in this format
 (fp32 KV reference: 11.215).
@@ -36,7 +42,7 @@ Groupings compared (`make bench-int4-grouping`, bench/results/int4_grouping.json
 same text, simulated in torch): keys per channel over 16-token blocks with the
 newest unfinished block in fp16 (KIVI) cost +0.8%, the fp16 newest block of keys
 alone with per-token keys +3.9% (the store keeps keys and values of that block in
-fp16: +3.5% in the kernel),
+fp16: +3.5% in the kernel at 32/32 groups),
 per-channel keys re-quantized from per-token int4 (no fp16) +7.8%. Per-channel
 keys would need q scaled by each block's channel scales before the integer dot
 products (a fixed-point conversion of q per block and head), about as much work
@@ -142,15 +148,19 @@ class KVStore:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity_bytes: int,
                  block_size: int = 16, kv_format: str = "fp16", num_threads: int = 0, isa: str = "auto",
-                 fp16_tail: bool = True) -> None:
+                 fp16_tail: bool = True, k_group: int = 0, v_group: int = 0) -> None:
         if kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
         if isa not in ISAS:
             raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
         if not isinstance(fp16_tail, (bool, np.bool_)):
             raise ValueError(f"fp16_tail must be a bool, got {fp16_tail!r}")
+        for name, group in (("k_group", k_group), ("v_group", v_group)):
+            if isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer)):
+                raise ValueError(f"{name} must be an int (16, 32, 64, 128 or 0 for the default), got {group!r}")
         self._s = _kernels.KVStore(int(num_layers), int(num_kv_heads), int(head_dim), int(capacity_bytes),
-                                   int(block_size), kv_format, int(num_threads), isa, bool(fp16_tail))
+                                   int(block_size), kv_format, int(num_threads), isa, bool(fp16_tail),
+                                   int(k_group), int(v_group))
         self.num_layers = int(num_layers)
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
@@ -169,6 +179,11 @@ class KVStore:
     @property
     def block_bytes(self) -> int:
         return self._s.block_bytes
+
+    @property
+    def groups(self) -> tuple[int, int]:
+        """int4: channels per scale and zero point of keys and of values; fp16: (0, 0)."""
+        return self._s.k_group, self._s.v_group
 
     def set_threads(self, num_threads: int) -> None:
         """Resize the kernel's thread pool (0 = all CPUs this process may use)."""

@@ -25,7 +25,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", default=16, type=int, help="tokens per KV block")
     p.add_argument("--no-int4-fp16-tail", dest="int4_fp16_tail", action="store_false",
                    help="int4 KV: no fp16 copy of each sequence's newest block (its 1/8 of the capacity "
-                        "goes to int4 blocks; perplexity cost rises from +3.5%% to +8.3%% on the default model)")
+                        "goes to int4 blocks; perplexity cost rises from +3.8%% to +8.7%% on the default model)")
+    for which, default in (("k", 32), ("v", 64)):
+        p.add_argument(f"--int4-{which}-group", default=0, type=int, choices=(0, 16, 32, 64, 128),
+                       help=f"int4 KV: {'key' if which == 'k' else 'value'} channels per scale and zero point "
+                            f"(0 = the kernel's default, {default}; larger groups read fewer bytes and round "
+                            "more coarsely, see bench/results/int4_grouping.json)")
     tok = p.add_mutually_exclusive_group()
     tok.add_argument("--token", default="", help="shared token every call must carry")
     tok.add_argument("--token-file", default="", help="file holding the shared token")
@@ -57,7 +62,7 @@ def main(argv=None) -> int:
         from rworker.service import default_store_factory as store_factory
     opts = ServerOptions(
         listen=args.listen, kv_capacity=args.kv_capacity, threads=args.threads, block_size=args.block_size,
-        int4_fp16_tail=args.int4_fp16_tail,
+        int4_fp16_tail=args.int4_fp16_tail, int4_k_group=args.int4_k_group, int4_v_group=args.int4_v_group,
         token=read_token(args.token, args.token_file), tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, max_message_bytes=args.max_message_size,
         max_connections=args.max_connections, max_sequences=args.max_sequences, drain_timeout_s=args.drain_timeout)

@@ -48,6 +48,8 @@ class ServerOptions:
     threads: int = 0
     block_size: int = 16
     int4_fp16_tail: bool = True  # int4 KV: keep each sequence's newest block in fp16 too
+    int4_k_group: int = 0        # int4 KV: channels per scale and zero of keys / values; 0 = the kernel's
+    int4_v_group: int = 0
     token: str = ""
     tls_cert: str = ""
     tls_key: str = ""
@@ -63,7 +65,8 @@ class RWorkerServer:
         self.opts = opts
         keep_freed_memory()
         self.service = RWorkerService(opts.kv_capacity, opts.threads, opts.block_size, store_factory,
-                                      opts.max_sequences, int4_fp16_tail=opts.int4_fp16_tail)
+                                      opts.max_sequences, int4_fp16_tail=opts.int4_fp16_tail,
+                                      int4_k_group=opts.int4_k_group, int4_v_group=opts.int4_v_group)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self.service.on_drain = lambda: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         # A stream holds one thread for its life; a few more serve Stats, Drain and health.

@@ -79,9 +79,10 @@ class Connection:
 class RWorkerService(pb_grpc.RWorkerServicer):
     def __init__(self, capacity_bytes: int, threads: int = 0, block_size: int = 16,
                  store_factory=default_store_factory, max_sequences: int = 1 << 18,
-                 int4_fp16_tail: bool = True) -> None:
+                 int4_fp16_tail: bool = True, int4_k_group: int = 0, int4_v_group: int = 0) -> None:
         self.capacity_bytes = capacity_bytes
         self.int4_fp16_tail = int4_fp16_tail
+        self.int4_groups = {"k_group": int4_k_group, "v_group": int4_v_group}  # 0: the kernel's default
         self.max_sequences = max_sequences
         self.threads = threads
         self.block_size = block_size
@@ -182,8 +183,8 @@ class RWorkerService(pb_grpc.RWorkerServicer):
                                     f"cannot serve {config} until it is empty")
                 if self.store is not None and hasattr(self.store, "close"):
                     self.store.close()          # free the old pool before allocating the new one
-                self.store = None
-                tail = {"fp16_tail": self.int4_fp16_tail} if c.kv_format == "int4" else {}
+                self.store, self.store_config = None, None  # a failed factory leaves no stale config
+                tail = {"fp16_tail": self.int4_fp16_tail, **self.int4_groups} if c.kv_format == "int4" else {}
                 self.store = self.store_factory(
                     num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                     capacity_bytes=self.capacity_bytes, block_size=self.block_size,

@@ -158,8 +158,9 @@ def test_int4_quantization_error_bound():
     v = rng.standard_normal((40, 2, 64)).astype(np.float32) + 5
     store.append_span(0, [9], [40], k, v)
     kc, vc = store.read(9, 0)
-    for x, xc in ((k, kc), (v, vc)):
-        g = x.reshape(40, 2, 2, 32)
+    assert store.groups == (32, 64)  # the defaults at head_dim 64: 32 key channels, all 64 value channels
+    for x, xc, group in ((k, kc, store.groups[0]), (v, vc, store.groups[1])):
+        g = x.reshape(40, 2, 64 // group, group)
         step = (g.max(-1, keepdims=True) - g.min(-1, keepdims=True)) / 15
         err = np.abs(xc.reshape(g.shape) - g)
         assert np.all(err <= step * 0.51 + 1e-3 * np.abs(g).max(-1, keepdims=True))

@@ -24,9 +24,14 @@ def test_compares_two_builds(ab, tmp_path):
     copy = str(tmp_path / "copy.so")
     shutil.copy(build, copy)
     args = ab.parse([build, copy, "--batch", "2", "--ctx", "40", "--threads", "1", "--rounds", "3",
-                     "--heads", "4", "--kv-heads", "2", "--head-dim", "64"])
+                     "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--groups", "-", "32/32"])
     rows = ab.run(args)
     assert [r["build"] for r in rows] == [build, copy]
+    assert [r["groups"] for r in rows] == [None, (32, 32)]
+    first, second = ab.load_build(build), ab.load_build(copy)  # two libraries, not one twice
+    assert first is not second and first.KVStore is not second.KVStore
+    assert os.path.realpath(second.__file__) == os.path.realpath(copy)
+    assert ab.load_build(copy) is second
     assert rows[0]["over_first"] == 1.0
     for r in rows:
         assert r["s"] > 0 and r["GBps"] > 0 and r["stream_GBps"] > 0 and r["over_first"] > 0
@@ -40,6 +45,8 @@ def test_refuses_garbage(ab, tmp_path):
     with pytest.raises(ValueError, match="not a loadable kernel build"):
         ab.load_build(str(junk))
     for argv in (["a.so", "--batch", "0"], ["a.so", "--ctx", "-3"], ["a.so", "--rounds", "x"],
-                 ["a.so", "--fmt", "int8"], ["a.so", "--heads", "9", "--kv-heads", "2"], []):
+                 ["a.so", "--fmt", "int8"], ["a.so", "--heads", "9", "--kv-heads", "2"], [],
+                 ["a.so", "--groups", "32"], ["a.so", "--groups", "a/b"], ["a.so", "b.so", "--groups", "32/32"],
+                 ["a.so", "--fmt", "fp16", "--groups", "32/32"]):
         with pytest.raises(SystemExit):
             ab.parse(argv)

@@ -129,6 +129,22 @@ def test_decode_runs_off_the_callers_thread_without_the_gil():
     local.shutdown()
 
 
+def test_int4_groups_follow_the_config():
+    def store(**kw):
+        return LocalAttention(SPEC, EngineConfig(kv_capacity_bytes=8 << 20, kernel_threads=1, **kw)).store
+
+    assert store(kv_format="int4").groups == (32, 64)  # the kernel's defaults at head_dim 64
+    assert store(kv_format="int4", kv_int4_k_group=16, kv_int4_v_group=32).groups == (16, 32)
+    assert store(kv_format="fp16", kv_int4_v_group=32).groups == (0, 0)  # fp16: the int4 settings are unused
+    with pytest.raises(ValueError, match="dividing head_dim 64"):
+        store(kv_format="int4", kv_int4_v_group=128)
+    for bad in (48, 8, -32, "32", 32.0, True, None):
+        with pytest.raises(ValueError, match="kv_int4_k_group"):
+            EngineConfig(kv_int4_k_group=bad)
+        with pytest.raises(ValueError, match="kv_int4_v_group"):
+            EngineConfig(kv_int4_v_group=bad)
+
+
 def test_int4_fp16_tail_follows_the_config():
     on = LocalAttention(SPEC, EngineConfig(kv_format="int4", kv_capacity_bytes=8 << 20, kernel_threads=1))
     off = LocalAttention(SPEC, EngineConfig(kv_format="int4", kv_capacity_bytes=8 << 20, kernel_threads=1,

@@ -38,6 +38,7 @@ def test_int4_perplexity_within_10_percent_of_fp16_at_long_context(tmp_path):
     assert abs(fp16 / ref - 1) < 0.01           # fp16 storage barely moves it
     assert int4 <= 1.10 * fp16
     assert 1.0 < fp16 < 100.0                     # a working model on plain English
+    assert r["int4_kv"]["int4_groups"] == [32, 64] and r["fp16_kv"]["int4_groups"] is None  # the defaults
 
     out = ev.write_results(r, tmp_path / "perplexity.json")
     assert json.loads(out.read_text())["int4_over_fp16"] == pytest.approx(int4 / fp16)

@@ -279,6 +279,11 @@ def test_build_configs_resolves_paths_and_rejects_unknown(tmp_path):
     for bad in ("maybe", "", "2"):
         with pytest.raises(ValueError, match="kv_int4_fp16_tail"):
             build_configs({"kv_int4_fp16_tail": bad})
+    groups = build_configs({"kv_format": "int4", "kv_int4_k_group": "16", "kv_int4_v_group": "128"})[0]
+    assert (groups.kv_int4_k_group, groups.kv_int4_v_group) == (16, 128)
+    for bad in ("48", "x", "", "3.5"):
+        with pytest.raises(ValueError, match="kv_int4_v_group"):
+            build_configs({"kv_int4_v_group": bad})
 
 
 def write_real_plan(tmp_path, seq_len=512) -> tuple[Path, dict]:

@@ -334,3 +334,26 @@ def test_int4_store_gets_the_fp16_tail_setting_and_fp16_does_not(tail):
     service._configure(Connection("test"), pb.Configure(num_layers=2, num_kv_heads=2, head_dim=64, kv_format="fp16"))
     assert made[0]["kv_format"] == "int4" and made[0]["fp16_tail"] is tail
     assert made[1]["kv_format"] == "fp16" and "fp16_tail" not in made[1]
+
+
+def test_int4_groups_reach_the_int4_store_and_bad_ones_are_refused():
+    from rworker.__main__ import parse_args
+    from rworker.service import Connection, RWorkerService
+
+    args = parse_args(["--int4-k-group", "32", "--int4-v-group", "128"])
+    assert (args.int4_k_group, args.int4_v_group) == (32, 128)
+    assert (parse_args([]).int4_k_group, parse_args([]).int4_v_group) == (0, 0)
+    for bad in (["--int4-v-group", "48"], ["--int4-k-group", "x"], ["--int4-k-group", "-16"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    service = RWorkerService(8 << 20, int4_k_group=32, int4_v_group=128)
+    conn = Connection("test")
+    service._configure(conn, pb.Configure(num_layers=1, num_kv_heads=2, head_dim=128, kv_format="int4"))
+    assert service.store.groups == (32, 128)
+    # a group that does not divide this model's head_dim: a clear error, and no stale store kept
+    with pytest.raises(ValueError, match="dividing head_dim 64"):
+        service._configure(Connection("other"), pb.Configure(num_layers=1, num_kv_heads=2, head_dim=64,
+                                                             kv_format="int4"))
+    assert service.store is None and service.store_config is None
+    service._configure(conn, pb.Configure(num_layers=1, num_kv_heads=2, head_dim=64, kv_format="fp16"))
+    assert service.store.groups == (0, 0)  # fp16 stores take no groups

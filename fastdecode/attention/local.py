@@ -43,7 +43,9 @@ class LocalAttention(AttentionBackend):
         super().__init__(spec)
         self.store = KVStore(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.kv_capacity_bytes,
                              block_size=config.kv_block_size, kv_format=config.kv_format,
-                             num_threads=config.kernel_threads, fp16_tail=config.kv_int4_fp16_tail)
+                             num_threads=config.kernel_threads, fp16_tail=config.kv_int4_fp16_tail,
+                             **({"k_group": config.kv_int4_k_group, "v_group": config.kv_int4_v_group}
+                                if config.kv_format == "int4" else {}))
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdecode-rpart")
         self._open: set[int] = set()  # checked at submit without waiting for a running kernel call
 
