@@ -10,8 +10,9 @@ Copy the extension of each build aside (`cp fastdecode/_kernels*.so /tmp/a.so`, 
       [--threads 2] [--heads 32] [--kv-heads 32] [--head-dim 128] [--block-size 16] [--rounds 9]
       [--groups 32/32 32/64]
 
---groups gives each build its int4 key / value groups (builds from 0.x on; one K/V per build, in
-order, "-" for the build's default); a path may be given twice with different groups.
+--groups gives each build its int4 key / value groups (one K/V per build, in order; "-" for the
+build's default, the only choice for builds before k_group / v_group); a path may be given twice
+with different groups.
 
 Prints per build: the median time per call, KV GB/s, its fraction of the STREAM read measured
 between rounds, and the median over rounds of its time over the first build's.
