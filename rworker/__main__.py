@@ -12,7 +12,7 @@ import logging
 import signal
 import sys
 
-from fastdecode.config import parse_size
+from fastdecode.config import INT4_GROUPS, parse_size
 from rworker.auth import read_token
 from rworker.server import ServerOptions, serve
 
@@ -27,7 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="int4 KV: no fp16 copy of each sequence's newest block (its 1/8 of the capacity "
                         "goes to int4 blocks; perplexity cost rises from +3.8%% to +8.7%% on the default model)")
     for which, default in (("k", 32), ("v", 64)):
-        p.add_argument(f"--int4-{which}-group", default=0, type=int, choices=(0, 16, 32, 64, 128),
+        p.add_argument(f"--int4-{which}-group", default=0, type=int, choices=INT4_GROUPS,
                        help=f"int4 KV: {'key' if which == 'k' else 'value'} channels per scale and zero point "
                             f"(0 = the kernel's default, {default}; larger groups read fewer bytes and round "
                             "more coarsely, see bench/results/int4_grouping.json)")

@@ -184,11 +184,11 @@ class RWorkerService(pb_grpc.RWorkerServicer):
                 if self.store is not None and hasattr(self.store, "close"):
                     self.store.close()          # free the old pool before allocating the new one
                 self.store, self.store_config = None, None  # a failed factory leaves no stale config
-                tail = {"fp16_tail": self.int4_fp16_tail, **self.int4_groups} if c.kv_format == "int4" else {}
+                int4 = {"fp16_tail": self.int4_fp16_tail, **self.int4_groups} if c.kv_format == "int4" else {}
                 self.store = self.store_factory(
                     num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                     capacity_bytes=self.capacity_bytes, block_size=self.block_size,
-                    kv_format=c.kv_format, num_threads=self.threads, **tail)
+                    kv_format=c.kv_format, num_threads=self.threads, **int4)
                 self.store_config = config
                 log.info("KV store: layers=%d kv_heads=%d head_dim=%d format=%s isa=%s", *config,
                          getattr(self.store, "isa", "?"))
