@@ -31,6 +31,7 @@ struct V {
     v = _mm_max_ss(v, _mm_shuffle_ps(v, v, 1));
     return _mm_cvtss_f32(v);
   }
+  static inline float first(F x) { return _mm256_cvtss_f32(x); }
   static inline float hsum(F x) {
     __m128 v = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));

@@ -32,6 +32,7 @@ struct V {
   static inline F max(F a, F b) { return _mm512_max_ps(a, b); }
   static inline float hmax(F x) { return _mm512_reduce_max_ps(x); }
   static inline float hsum(F x) { return _mm512_reduce_add_ps(x); }
+  static inline float first(F x) { return _mm512_cvtss_f32(x); }
   // 2^x for x <= 0: scalef(poly(frac), round(x)), 0 below -126 (covers -inf).
   static inline F exp2(F x) {
     const F lim = _mm512_set1_ps(-126.0f);
@@ -93,6 +94,12 @@ struct V : avx512_isa::V {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*w));
     return acc;
   }
+  // The same with w in a register (through the intrinsic, GCC 12 copied every accumulator per use).
+  static inline I dpbusd(I acc, I u, I w) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(w));
+    return acc;
+  }
+  static inline I iset1(int32_t x) { return _mm512_set1_epi32(x); }
 };
 
 #define FD_VNNI 1

@@ -33,6 +33,69 @@ struct Prefetch {
   }
 };
 
+// Bytes ahead the kernel prefetches, in the order it reads (RegionWalk). A region is 8 KiB
+// at fp16 and 2.5 KiB at int4 (D=128); int4 regions are small, so their successors must be
+// requested earlier. Measured (1 thread, Zen 5): fp16 best at 4-8 KiB ahead (16 KiB and more
+// is slower); int4 (chunks of 4 blocks) 5% slower at 12 KiB, and at 24 KiB it fell to 0.65x
+// in some runs.
+constexpr size_t kPrefetchBytesFp16 = 8192, kPrefetchBytesInt4 = 16384;
+
+// The regions of an item in read order (chunks of NB blocks; inside a chunk, head by head,
+// and each head's blocks in turn), walked pf_regions ahead of the kernel for its software
+// prefetch: next() is the region to prefetch while the kernel does the P V of the current one.
+struct RegionWalk {
+  const Layout* L;
+  const Layout* T;  // fp16 tails (AttnJob::T)
+  const uint8_t* pool;
+  const int32_t* table;
+  int h0, nh, nblk, NB;
+  int i0 = 0, j = 0, c = 0;  // the cursor: chunk start, head, block in chunk
+  const uint8_t* at(int blk, int head) const {
+    return pool + static_cast<size_t>(table[blk]) * L->block_bytes + static_cast<size_t>(h0 + head) * L->head_bytes;
+  }
+  __attribute__((always_inline)) inline void advance() {
+    const int nb = nblk - i0 < NB ? nblk - i0 : NB;
+    if (++c < nb) return;
+    c = 0;
+    if (++j < nh) return;
+    j = 0;
+    i0 += NB;
+  }
+  __attribute__((always_inline)) inline Prefetch next(int lines_per_token) {
+    Prefetch pf;
+    if (i0 < nblk) {
+      pf.cur = at(i0 + c, j);
+      pf.end = pf.cur + L->head_bytes;
+      pf.per_step = lines_per_token;
+      advance();
+    }
+    return pf;
+  }
+};
+
+// Software prefetch of `regions` regions of a walk in turn, per_step lines per step(). The int4
+// chunks of the integer path spread it over their scores and their P V: issued in that short P V
+// alone, the requests came in bursts, and the kernel ran 17% slower from DRAM than before it.
+struct PrefetchRun {
+  RegionWalk* w = nullptr;
+  const uint8_t *cur = nullptr, *end = nullptr;
+  int regions = 0, per_step = 0;
+  // per_step lines for each of n steps, at once (called between the hot loops: stepped inside them,
+  // it took their registers and the kernel lost a third of its speed).
+  inline void step(int n = 1) {
+    for (int i = 0; i < n * per_step; ++i, cur += 64) {
+      if (cur >= end) {
+        const Prefetch p = regions > 0 ? w->next(0) : Prefetch();
+        regions = p.cur ? regions - 1 : 0;
+        cur = p.cur;
+        end = p.end;
+        if (!cur) return;
+      }
+      V::prefetch(cur);
+    }
+  }
+};
+
 // Independent FMA chains per head, so that GT heads together keep >= 8 in flight.
 template <int GT>
 constexpr int qk_chains() {
@@ -209,6 +272,83 @@ static void scores_int4_vnni(const Layout& L, const uint8_t* head, int n, const 
     for (int g = 0; g < GT; ++g) V::store(P + g * ps + c0, V::add(V::add(s[g][0], s[g][1]), z[g]));
   }
 }
+
+// The MHA case of scores_int4_vnni for U column units at once (W tokens of a block each, from up
+// to U blocks): each limb is broadcast into a register once per key row and serves all U units.
+// (As memory operands of every instruction, the limb loads bounded the loop: 6 per 8 channels.)
+// Unit u: key rows from kn[u], scales and zero points from ks[u], kz[u], scores to out[u].
+template <int U, int KG>
+static void scores_int4_vnni_units(const Layout& L, const uint32_t* const* kn, const uint16_t* const* ks,
+                                   const uint16_t* const* kz, float* const* out, const int32_t* limbs,
+                                   const float* fs, const float* qsum, PrefetchRun& pf_io) {
+  typedef typename V::I I;
+  PrefetchRun pf = pf_io;  // a local copy stays in registers
+  const int D = L.head_dim, bsp = L.bsp, kr = (KG ? KG : L.kgroup) / 8, ng = D / (8 * kr), D4 = D / 4;
+  F s[U];
+  for (int u = 0; u < U; ++u) s[u] = V::zero();
+  for (int grp = 0; grp < ng; ++grp) {
+    pf.step(kr);
+    I a[U][3];
+    for (int u = 0; u < U; ++u) a[u][0] = a[u][1] = a[u][2] = V::izero();
+#pragma GCC unroll 8
+    for (int rr = 0; rr < kr; ++rr) {
+      const int r = grp * kr + rr;
+      I w[3][2];
+      for (int l = 0; l < 3; ++l) {
+        w[l][0] = V::iset1(limbs[l * D4 + 2 * r]);
+        w[l][1] = V::iset1(limbs[l * D4 + 2 * r + 1]);
+      }
+      for (int u = 0; u < U; ++u) {
+        I lo, hi;
+        V::nib_bytes(V::load_u32(kn[u] + static_cast<ptrdiff_t>(r) * bsp), lo, hi);
+        for (int l = 0; l < 3; ++l) a[u][l] = V::dpbusd(V::dpbusd(a[u][l], lo, w[l][0]), hi, w[l][1]);
+      }
+    }
+    const F f = V::set1(fs[grp]), z = V::set1(qsum[grp]);
+    for (int u = 0; u < U; ++u) {
+      const F dot = V::fma(V::cvt(a[u][0]), V::set1(65536.0f), V::fma(V::cvt(a[u][1]), V::set1(256.0f), V::cvt(a[u][2])));
+      s[u] = V::fma(V::load_h(ks[u] + static_cast<size_t>(grp) * bsp), V::mul(dot, f), s[u]);
+      s[u] = V::fma(V::load_h(kz[u] + static_cast<size_t>(grp) * bsp), z, s[u]);
+    }
+  }
+  for (int u = 0; u < U; ++u) V::store(out[u], s[u]);
+  pf_io = pf;
+}
+
+// The scores of nb int4 blocks (heads[c], n tokens each but the last) for one query head, in
+// batches of up to 4 column units.
+template <int KG>
+static void scores_int4_vnni_mha(const Layout& L, const uint8_t* const* heads, int nb, int n_last,
+                                 const int32_t* limbs, const float* fs, const float* qsum, float* P,
+                                 PrefetchRun& pf) {
+  constexpr int UM = 4;
+  const int bsp = L.bsp;
+  const uint32_t* kn[UM];
+  const uint16_t *ks[UM], *kz[UM];
+  float* out[UM];
+  int u = 0;
+  auto flush = [&]() {
+    switch (u) {
+      case 1: scores_int4_vnni_units<1, KG>(L, kn, ks, kz, out, limbs, fs, qsum, pf); break;
+      case 2: scores_int4_vnni_units<2, KG>(L, kn, ks, kz, out, limbs, fs, qsum, pf); break;
+      case 3: scores_int4_vnni_units<3, KG>(L, kn, ks, kz, out, limbs, fs, qsum, pf); break;
+      case 4: scores_int4_vnni_units<4, KG>(L, kn, ks, kz, out, limbs, fs, qsum, pf); break;
+    }
+    u = 0;
+  };
+  for (int c = 0; c < nb; ++c) {
+    const uint8_t* head = heads[c];
+    const int n = c == nb - 1 ? n_last : bsp;
+    for (int c0 = 0; c0 < n; c0 += W) {
+      kn[u] = reinterpret_cast<const uint32_t*>(head + L.k_off) + c0;
+      ks[u] = reinterpret_cast<const uint16_t*>(head + L.ks_off) + c0;
+      kz[u] = reinterpret_cast<const uint16_t*>(head + L.kz_off) + c0;
+      out[u] = P + c * bsp + c0;
+      if (++u == UM) flush();
+    }
+  }
+  flush();
+}
 #endif
 
 // Online softmax over one chunk of blocks for the GT heads of a tile; the heads are
@@ -230,7 +370,8 @@ static void softmax_tile(float* P, int ps, int n, float* m, float* l, float* cor
     m_new[g] = m[g] > bm ? m[g] : bm;
   }
   for (int g = 0; g < GT; ++g) {
-    corr[g] = m_new[g] == m[g] ? 1.0f : __builtin_exp2f(m[g] - m_new[g]);  // 0 on the first block
+    // 0 on the first block; the vector exp2 (a call to exp2f made every zmm register a spill)
+    corr[g] = m_new[g] == m[g] ? 1.0f : V::first(V::exp2(V::set1(m[g] - m_new[g])));
     m[g] = m_new[g];
   }
   for (int g = 0; g < GT; ++g) {
@@ -288,102 +429,71 @@ static void pv_fp16(const Layout& L, const uint8_t* head, int n, const float* P,
   for (; d0 < D; d0 += W) pv_fp16_chunk<GT, 1>(Vr, D, n, P, ps, acc, d0, pf);
 }
 
-// The MHA case (one query head), in named registers (arrays were spilled): four runs of W
-// nibble bytes of a token in flight, each the low and high channels of one group, so that it does
-// not depend on the group size. Needs (D / 2) % (4 * W) == 0 and half % W == 0.
-template <int QG>
-static void pv_int4_mha(int D, int half_rt, int bsp, int n, const uint8_t* Vn, const float* Cc, float* acc,
-                        Prefetch& pf_io) {
-  Prefetch pf = pf_io;  // a local copy stays in registers
-  const int half = QG ? QG / 2 : half_rt, qg = 2 * half;
-  for (int o = 0; o < D / 2; o += 4 * W) {
-    float* a[4];  // the low channels of run r; its high channels are half further
-    const float* c[4];
-    for (int r = 0; r < 4; ++r) {
-      const int grp = (o + r * W) / half, i = (o + r * W) % half;
-      a[r] = acc + grp * qg + i;
-      c[r] = Cc + grp * bsp;
+// One token (TT of its quad) of pv_int4_cols: its low nibbles (and high ones, HI) of CB columns.
+template <int TT, int GT, int CB, bool HI>
+static inline void pv_int4_token(const typename V::I (&x)[CB], const float* const (&clo)[GT][CB],
+                                 const float* const (&chi)[GT][CB], int t, F (&lo)[GT][CB], F (&hi)[GT][CB]) {
+  for (int k = 0; k < CB; ++k) {
+    const F ul = V::template nib_at<8 * TT>(x[k]);
+    for (int g = 0; g < GT; ++g) lo[g][k] = V::fma(V::set1(clo[g][k][t]), ul, lo[g][k]);
+    if (HI) {
+      const F uh = V::template nib_at<8 * TT + 4>(x[k]);
+      for (int g = 0; g < GT; ++g) hi[g][k] = V::fma(V::set1(chi[g][k][t]), uh, hi[g][k]);
     }
-    F l0 = V::load(a[0]), h0 = V::load(a[0] + half), l1 = V::load(a[1]), h1 = V::load(a[1] + half);
-    F l2 = V::load(a[2]), h2 = V::load(a[2] + half), l3 = V::load(a[3]), h3 = V::load(a[3] + half);
-    const float *c0 = c[0], *c1 = c[1], *c2 = c[2], *c3 = c[3];
-    const uint8_t* src = Vn + o;
-    for (int t = 0; t < n; ++t, src += D / 2) {
-      if (pf.per_step <= 3 && pf.cur + 3 * 64 <= pf.end) {  // the common case, unrolled (6% faster)
-        V::prefetch(pf.cur);
-        V::prefetch(pf.cur + 64);
-        V::prefetch(pf.cur + 128);
-        pf.cur += 3 * 64;
-      } else {
-        pf.step();
-      }
-      F lo, hi, k;
-      V::nib(src, lo, hi);
-      k = V::set1(c0[t]); l0 = V::fma(k, lo, l0); h0 = V::fma(k, hi, h0);
-      V::nib(src + W, lo, hi);
-      k = V::set1(c1[t]); l1 = V::fma(k, lo, l1); h1 = V::fma(k, hi, h1);
-      V::nib(src + 2 * W, lo, hi);
-      k = V::set1(c2[t]); l2 = V::fma(k, lo, l2); h2 = V::fma(k, hi, h2);
-      V::nib(src + 3 * W, lo, hi);
-      k = V::set1(c3[t]); l3 = V::fma(k, lo, l3); h3 = V::fma(k, hi, h3);
-    }
-    V::store(a[0], l0); V::store(a[0] + half, h0); V::store(a[1], l1); V::store(a[1] + half, h1);
-    V::store(a[2], l2); V::store(a[2] + half, h2); V::store(a[3], l3); V::store(a[3] + half, h3);
   }
-  pf_io = pf;
 }
 
-template <int GT, int GC, int QG>
-static void pv_int4_groups(int D, int ng, int half_rt, int bsp, int n, const uint8_t* Vn, const float* Cc, float* acc,
-                           Prefetch& pf_io) {
+// acc[g][d] += sum_t Cc[g][d / vg][t] * u_t[d] over nq quads of one block's tokens, for CB columns
+// from c0. Column c is W lanes of line c / S (S = 16 / W), from lane (c % S) * W: its low nibbles are
+// channels d = 32 (c / S) + (c % S) W + i, its high ones (HI: real channels) d + 16.
+template <int GT, int CB, int VG, bool HI>
+static void pv_int4_cols(const Layout& L, const uint8_t* Vn, int nq, const float* Cc, float* acc, int c0,
+                         Prefetch& pf_io) {
+  constexpr int S = 16 / W;
   Prefetch pf = pf_io;  // a local copy stays in registers
-  const int half = QG ? QG / 2 : half_rt, qg = 2 * half;
-  for (int g0 = 0; g0 < ng; g0 += GC) {
-    for (int i = 0; i < half; i += W) {
-      F lo_acc[GT][GC], hi_acc[GT][GC];
-      for (int g = 0; g < GT; ++g)
-        for (int c = 0; c < GC; ++c) {
-          lo_acc[g][c] = V::load(acc + g * D + (g0 + c) * qg + i);
-          hi_acc[g][c] = V::load(acc + g * D + (g0 + c) * qg + half + i);
-        }
-      const uint8_t* src = Vn + g0 * half + i;
-      const float* cg[GT][GC];  // per-token coefficients p_t * scale_t of (head, group)
-      for (int g = 0; g < GT; ++g)
-        for (int c = 0; c < GC; ++c) cg[g][c] = Cc + (g * ng + g0 + c) * bsp;
-      for (int t = 0; t < n; ++t, src += D / 2) {
-        if ((t & 3) == 0) {  // prefetch for 4 tokens at once: GCC spills fewer accumulators
-          pf.step(); pf.step(); pf.step(); pf.step();
-        }
-        for (int c = 0; c < GC; ++c) {
-          F lo, hi;
-          V::nib(src + c * half, lo, hi);
-          for (int g = 0; g < GT; ++g) {
-            const F coef = V::set1(cg[g][c][t]);
-            lo_acc[g][c] = V::fma(coef, lo, lo_acc[g][c]);
-            hi_acc[g][c] = V::fma(coef, hi, hi_acc[g][c]);
-          }
-        }
-      }
-      for (int g = 0; g < GT; ++g)
-        for (int c = 0; c < GC; ++c) {
-          V::store(acc + g * D + (g0 + c) * qg + i, lo_acc[g][c]);
-          V::store(acc + g * D + (g0 + c) * qg + half + i, hi_acc[g][c]);
-        }
+  const int D = L.head_dim, vg = VG ? VG : L.vgroup, ng = D / vg, bsp = L.bsp;
+  const ptrdiff_t qstride = static_cast<ptrdiff_t>(L.v_quad / 4);  // u32 per quad
+  F lo[GT][CB], hi[GT][CB];
+  const float *clo[GT][CB], *chi[GT][CB];
+  const uint32_t* src[CB];
+  int dlo[CB];
+  for (int k = 0; k < CB; ++k) {
+    const int c = c0 + k;
+    dlo[k] = 32 * (c / S) + (c % S) * W;
+    src[k] = reinterpret_cast<const uint32_t*>(Vn + (c / S) * 64) + (c % S) * W;
+    for (int g = 0; g < GT; ++g) {
+      lo[g][k] = V::load(acc + g * D + dlo[k]);
+      hi[g][k] = HI ? V::load(acc + g * D + dlo[k] + 16) : V::zero();
+      clo[g][k] = Cc + (g * ng + dlo[k] / vg) * bsp;
+      chi[g][k] = Cc + (g * ng + (HI ? dlo[k] + 16 : dlo[k]) / vg) * bsp;
     }
   }
+  for (int qd = 0; qd < nq; ++qd) {
+    pf.step(); pf.step(); pf.step(); pf.step();  // one step per token
+    typename V::I x[CB];
+    for (int k = 0; k < CB; ++k) x[k] = V::load_u32(src[k] + qd * qstride);
+    pv_int4_token<0, GT, CB, HI>(x, clo, chi, 4 * qd, lo, hi);
+    pv_int4_token<1, GT, CB, HI>(x, clo, chi, 4 * qd + 1, lo, hi);
+    pv_int4_token<2, GT, CB, HI>(x, clo, chi, 4 * qd + 2, lo, hi);
+    pv_int4_token<3, GT, CB, HI>(x, clo, chi, 4 * qd + 3, lo, hi);
+  }
+  for (int k = 0; k < CB; ++k)
+    for (int g = 0; g < GT; ++g) {
+      V::store(acc + g * D + dlo[k], lo[g][k]);
+      if (HI) V::store(acc + g * D + dlo[k] + 16, hi[g][k]);
+    }
   pf_io = pf;
 }
 
 // acc[g] += sum_t (P[g][t] * scale_t) * u_t;  zacc[g][grp] (W lanes) += sum_t P[g][t] * zero_t
-template <int GT, int QG>
+template <int GT, int VG>
 static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P, int ps, float* Cc, float* acc,
                     float* zacc, Prefetch& pf) {
-  const int D = L.head_dim, bsp = L.bsp, qg = L.vgroup, ng = D / qg, half = qg / 2;
-  const uint8_t* Vn = head + L.v_off;
+  const int D = L.head_dim, bsp = L.bsp, ng = D / L.vgroup, nq = (n + 3) / 4;
   const uint16_t* Vs = reinterpret_cast<const uint16_t*>(head + L.vs_off);
   const uint16_t* Vz = reinterpret_cast<const uint16_t*>(head + L.vz_off);
   const int nr = (n + W - 1) / W * W;  // P is zero on [n, nr)
-  for (int grp = 0; grp < ng; ++grp)
+  for (int grp = 0; grp < ng; ++grp) {
     for (int c0 = 0; c0 < nr; c0 += W) {
       const F sc = V::load_h(Vs + grp * bsp + c0), zr = V::load_h(Vz + grp * bsp + c0);  // once for the GT heads
       for (int g = 0; g < GT; ++g) {
@@ -393,20 +503,25 @@ static void pv_int4(const Layout& L, const uint8_t* head, int n, const float* P,
         V::store(z, V::fma(p, zr, V::load(z)));
       }
     }
-  if (GT == 1 && (D / 2) % (4 * W) == 0 && half % W == 0)
-    return pv_int4_mha<QG>(D, half, bsp, n, Vn, Cc, acc, pf);
-  constexpr int GC = GT == 1 ? 4 : (GT == 2 ? 2 : 1);  // groups in flight: >= 8 FMA chains
-  if (ng % GC == 0)
-    pv_int4_groups<GT, GC, QG>(D, ng, half, bsp, n, Vn, Cc, acc, pf);
-  else
-    pv_int4_groups<GT, 1, QG>(D, ng, half, bsp, n, Vn, Cc, acc, pf);
+    for (int t = nr; t < 4 * nq; ++t)  // W < 4: the quad's tokens past n
+      for (int g = 0; g < GT; ++g) Cc[(g * ng + grp) * bsp + t] = 0.0f;
+  }
+  constexpr int S = 16 / W, CB = GT == 1 ? 4 : (GT == 2 ? 2 : 1);  // columns in flight: 2 GT CB chains
+  const uint8_t* Vn = head + L.v_off;
+  const int full = D / 32 * S;  // columns with high channels
+  int c = 0;
+  for (; c + CB <= full; c += CB) pv_int4_cols<GT, CB, VG, true>(L, Vn, nq, Cc, acc, c, pf);
+  for (; c < full; ++c) pv_int4_cols<GT, 1, VG, true>(L, Vn, nq, Cc, acc, c, pf);
+  if (D % 32)
+    for (; c < full + S; ++c) pv_int4_cols<GT, 1, VG, false>(L, Vn, nq, Cc, acc, c, pf);
 }
 
 // Running state of the rows (query heads) of an item: row rho = j * G + g is query head g
 // of the item's j-th kv head. P holds the scores / probabilities of the tile (<= 8 rows) in work.
 struct ItemState {
-  float *m, *l, *qsum, *acc, *zacc, *P, *Cc, *fs;
+  float *m, *l, *qsum, *acc, *zacc, *P, *Cc, *fs, *fc;
   int32_t* limbs;  // integer path only: q of each row in fixed point (q_limbs)
+  int32_t* Cq;     // integer path only: a tile's P V coefficients in fixed point (pv_int4_vnni_chunk)
 };
 
 // Scores of one block for GT query heads (rows rho.. of one kv head) into P (row stride ps).
@@ -472,51 +587,194 @@ static inline float* align16(float* p) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~static_cast<uintptr_t>(63));
 }
 
-// Bytes ahead the kernel prefetches, in the order it reads (RegionWalk). A region is 8 KiB
-// at fp16 and 2.5 KiB at int4 (D=128); int4 regions are small, so their successors must be
-// requested earlier. Measured (1 thread, Zen 5): fp16 best at 4-8 KiB ahead (16 KiB and more
-// is slower); int4 (chunks of 4 blocks) 5% slower at 12 KiB, and at 24 KiB it fell to 0.65x
-// in some runs.
-constexpr size_t kPrefetchBytesFp16 = 8192, kPrefetchBytesInt4 = 16384;
+#ifdef FD_VNNI
+// The P V of a chunk's int4 blocks with integer dot products, for GT rows. Per (row, value group) the
+// chunk's coefficients c_t = p_t * scale_t >= 0 are fixed point, c_t ~= fc * (a_t 2^16 + b_t 2^8 + e_t)
+// with bytes a, b, e and fc = max_t c_t / (255 * 2^16): |c_t - that| <= fc / 2, the size of the fp32
+// rounding of the largest c_t. The bytes of a quad of tokens form one 32-bit lane, the unsigned
+// operand of vpdpbusd against the quad's nibbles of 16 channels (the V layout); the three limbs sum
+// exactly in int32 over the chunk and combine in fp32 once per chunk.
+// Cq[(g * ng + grp) * ps + 4 * quad + limb]: the limbs of the chunk's quads (positions c * bsp + t),
+// the three of a quad side by side (one shuffle of 16 quantized positions writes 4 quads); fc[g * ng +
+// grp]: the step.
 
-// The regions of an item in read order (chunks of NB blocks; inside a chunk, head by head,
-// and each head's blocks in turn), walked pf_regions ahead of the kernel for its software
-// prefetch: next() is the region to prefetch while the kernel does the P V of the current one.
-struct RegionWalk {
-  const Layout* L;
-  const Layout* T;  // fp16 tails (AttnJob::T)
-  const uint8_t* pool;
-  const int32_t* table;
-  int h0, nh, nblk, NB;
-  int i0 = 0, j = 0, c = 0;  // the cursor: chunk start, head, block in chunk
-  const uint8_t* at(int blk, int head) const {
-    return pool + static_cast<size_t>(table[blk]) * L->block_bytes + static_cast<size_t>(h0 + head) * L->head_bytes;
-  }
-  __attribute__((always_inline)) inline void advance() {
-    const int nb = nblk - i0 < NB ? nblk - i0 : NB;
-    if (++c < nb) return;
-    c = 0;
-    if (++j < nh) return;
-    j = 0;
-    i0 += NB;
-  }
-  __attribute__((always_inline)) inline Prefetch next(int lines_per_token) {
-    Prefetch pf;
-    if (i0 < nblk) {
-      pf.cur = at(i0 + c, j);
-      pf.end = pf.cur + L->head_bytes;
-      pf.per_step = lines_per_token;
-      advance();
+// VB vectors of 16 channels from j0 for GT rows over the chunk's nb blocks. ONE: the VB vectors lie
+// in one value group.
+template <int GT, int VB, int VG, bool ONE>
+static void pv_int4_vnni_vectors(const Layout& L, const uint8_t* const* heads, int nb, int nq_last,
+                                 const int32_t* Cq, int ps, const float* fc, float* acc, int j0,
+                                 PrefetchRun& pf_io) {
+  typedef typename V::I I;
+  PrefetchRun pf = pf_io;  // a local copy stays in registers
+  const int D = L.head_dim, bsp = L.bsp, vg = VG ? VG : L.vgroup, ng = D / vg;
+  const ptrdiff_t qstride = static_cast<ptrdiff_t>(L.v_quad);
+  const I m15 = _mm512_set1_epi8(15);
+  int grp[VB];
+  for (int k = 0; k < VB; ++k) grp[k] = 16 * (j0 + k) / vg;
+  I a[GT][3][VB];
+  for (int g = 0; g < GT; ++g)
+    for (int l = 0; l < 3; ++l)
+      for (int k = 0; k < VB; ++k) a[g][l][k] = V::izero();
+  int off[GT][VB];  // Cq of (row, vector)
+  for (int g = 0; g < GT; ++g)
+    for (int k = 0; k < VB; ++k) off[g][k] = (g * ng + grp[k]) * ps;
+  const bool hi0 = j0 % 2;  // VB == 1: the high nibbles of line j0 / 2
+  for (int c = 0; c < nb; ++c) {
+    const int nq = c == nb - 1 ? nq_last : bsp / 4;
+    const uint8_t* vp = heads[c] + L.v_off + (j0 / 2) * 64;
+    const int32_t* cq = Cq + c * bsp;
+    pf.step(nq);
+    for (int qd = 0; qd < nq; ++qd, vp += qstride, cq += 4) {
+      I u[VB];
+      for (int k = 0; k < VB; ++k) {
+        const I x = V::load_u32(reinterpret_cast<const uint32_t*>(vp + (VB == 1 ? 0 : k / 2 * 64)));
+        const bool hi = VB == 1 ? hi0 : k % 2;
+        u[k] = hi ? _mm512_and_si512(_mm512_srli_epi16(x, 4), m15) : _mm512_and_si512(x, m15);
+      }
+      for (int g = 0; g < GT; ++g)  // a row's limbs in 3 registers at a time (GT 4 x 2 vectors: 24 accumulators)
+        for (int l = 0; l < 3; ++l) {
+          I w = V::iset1(cq[off[g][0] + l]);
+          for (int k = 0; k < VB; ++k) {
+            if (!ONE && k > 0 && (16 * (j0 + k)) % vg == 0) w = V::iset1(cq[off[g][k] + l]);  // a new group
+            a[g][l][k] = V::dpbusd(a[g][l][k], w, u[k]);  // u8 coefficients x s8 nibbles
+          }
+        }
     }
-    return pf;
   }
-};
+  for (int g = 0; g < GT; ++g)
+    for (int k = 0; k < VB; ++k) {
+      const F dot = V::fma(V::cvt(a[g][0][k]), V::set1(65536.0f),
+                           V::fma(V::cvt(a[g][1][k]), V::set1(256.0f), V::cvt(a[g][2][k])));
+      float* o = acc + g * D + 16 * (j0 + k);
+      V::store(o, V::fma(dot, V::set1(fc[g * ng + grp[k]]), V::load(o)));
+    }
+  pf_io = pf;
+}
+
+// 16-channel vectors in flight in pv_int4_vnni_vectors (3 GT per vector accumulators), and the passes
+// over the chunk's values that makes at head_dim D.
+template <int GT>
+constexpr int vnni_pv_vectors() { return GT <= 2 ? 4 : (GT <= 4 ? 2 : 1); }
+template <int GT>
+inline int vnni_pv_passes(int D) {
+  return (D / 16) % vnni_pv_vectors<GT>() ? D / 16 : D / 16 / vnni_pv_vectors<GT>();
+}
+
+// The chunk's nb int4 blocks (heads[c], all full but the last, which holds n_last tokens) for GT rows
+// from P (row stride ps, block c at c * bsp); zacc as in pv_int4. pf steps once per quad and pass.
+template <int GT, int VG>
+static void pv_int4_vnni_chunk(const Layout& L, const uint8_t* const* heads, int nb, int n_last, const float* P,
+                               int ps, int32_t* Cq, float* fc, float* acc, float* zacc, PrefetchRun& pf) {
+  const int D = L.head_dim, bsp = L.bsp, vg = VG ? VG : L.vgroup, ng = D / vg;
+  const int nq_last = (n_last + 3) / 4, nr_last = (n_last + W - 1) / W * W;  // P is zero on [n_last, nr_last)
+  for (int g = 0; g < GT; ++g)
+    for (int grp = 0; grp < ng; ++grp) {
+      F mx = V::zero();
+      float* z = zacc + (g * ng + grp) * W;
+      F zs = V::load(z);
+      for (int c = 0; c < nb; ++c) {
+        const uint16_t* Vs = reinterpret_cast<const uint16_t*>(heads[c] + L.vs_off) + grp * bsp;
+        const uint16_t* Vz = reinterpret_cast<const uint16_t*>(heads[c] + L.vz_off) + grp * bsp;
+        const float* p = P + g * ps + c * bsp;
+        for (int t = 0; t < (c == nb - 1 ? nr_last : bsp); t += W) {
+          const F pt = V::load(p + t);
+          mx = V::max(mx, V::mul(pt, V::load_h(Vs + t)));
+          zs = V::fma(pt, V::load_h(Vz + t), zs);
+        }
+      }
+      V::store(z, zs);
+      const float m = V::hmax(mx);
+      fc[g * ng + grp] = m > 0.0f ? m * (1.0f / 16711680.0f) : 1.0f;
+      const F inv = V::set1(m > 0.0f ? 16711680.0f / m : 1.0f);
+      for (int c = 0; c < nb; ++c) {
+        const uint16_t* Vs = reinterpret_cast<const uint16_t*>(heads[c] + L.vs_off) + grp * bsp;
+        const float* p = P + g * ps + c * bsp;
+        for (int t = 0; t < (c == nb - 1 ? nr_last : bsp); t += W) {
+          const __m512i q = _mm512_cvtps_epi32(V::mul(V::mul(V::load(p + t), V::load_h(Vs + t)), inv));
+          // A 128-bit lane holds the 4 tokens of a quad: bytes 2, 1, 0 of its dwords become its limbs.
+          const __m512i pick = _mm512_broadcast_i32x4(
+              _mm_setr_epi8(2, 6, 10, 14, 1, 5, 9, 13, 0, 4, 8, 12, -128, -128, -128, -128));
+          _mm512_storeu_si512(Cq + (g * ng + grp) * ps + c * bsp + t, _mm512_shuffle_epi8(q, pick));
+        }
+      }
+    }
+  constexpr int VB = vnni_pv_vectors<GT>();
+  const int nv = D / 16;
+  if (nv % VB == 0 && vg >= 16 * VB) {
+    for (int j0 = 0; j0 < nv; j0 += VB)
+      pv_int4_vnni_vectors<GT, VB, VG, true>(L, heads, nb, nq_last, Cq, ps, fc, acc, j0, pf);
+  } else if (nv % VB == 0) {
+    for (int j0 = 0; j0 < nv; j0 += VB)
+      pv_int4_vnni_vectors<GT, VB, VG, false>(L, heads, nb, nq_last, Cq, ps, fc, acc, j0, pf);
+  } else {
+    for (int j0 = 0; j0 < nv; ++j0) pv_int4_vnni_vectors<GT, 1, VG, true>(L, heads, nb, nq_last, Cq, ps, fc, acc, j0, pf);
+  }
+}
+#endif
+
+#ifdef FD_VNNI
+// chunk_tile for int4 on the integer path: the chunk's int4 blocks scored together (MHA) or block
+// by block, one softmax update, their P V together (pv_int4_vnni_chunk), and the fp16 tail block if
+// the chunk holds it (its last). The prefetch of the chunk's share of regions ahead runs through all.
+template <int GT, int KG, int VG>
+static void chunk_int4_vnni(const RegionWalk& w, int i0, int nb, int j, int ntok, const float* q, const ItemState& st,
+                            int rho, int nkg, int nvg, int ps, RegionWalk* pfw, const uint8_t* tail) {
+  const Layout& L = *w.L;
+  const int bs = L.block_size, bsp = L.bsp, D = L.head_dim;
+  float* P = st.P;
+  auto tokens = [&](int c) { return ntok - (i0 + c) * bs < bs ? ntok - (i0 + c) * bs : bs; };
+  const int tail_c = tail ? w.nblk - 1 - i0 : -1;
+  const int nq = tail_c >= 0 && tail_c < nb ? tail_c : nb;  // int4 blocks
+  const uint8_t* heads[kChunkBlocksInt4];
+  for (int c = 0; c < nq; ++c) heads[c] = w.at(i0 + c, j);
+  PrefetchRun pf;
+  if (pfw && nq > 0) {  // the int4 blocks before the last are full
+    const int n_last = tokens(nq - 1);
+    const int units = (nq - 1) * (bsp / W) + (n_last + W - 1) / W;
+    const int quads = (nq - 1) * (bsp / 4) + (n_last + 3) / 4;
+    const int steps = (GT == 1 ? D / 8 * ((units + 3) / 4) : 0) + vnni_pv_passes<GT>(D) * quads;  // rows, quads
+    const int lines = nb * static_cast<int>(L.head_bytes / 64);
+    pf.w = pfw;
+    pf.regions = nb;
+    pf.per_step = (lines + steps - 1) / (steps > 0 ? steps : 1);
+  } else if (pfw) {  // the chunk is the fp16 tail alone: the walk still moves past it
+    pfw->next(0);
+  }
+  if (GT == 1 && nq > 0) {
+    for (int c = 0; c < nq; ++c)  // the values into L1 for the P V after the chunk's scores
+      for (size_t o = L.v_off; o < L.head_bytes; o += 64) __builtin_prefetch(heads[c] + o, 0, 3);
+    scores_int4_vnni_mha<KG>(L, heads, nq, tokens(nq - 1), st.limbs + rho * 3 * (D / 4), st.fs + rho * nkg,
+                             st.qsum + rho * nkg, P, pf);
+  }
+  Prefetch none;
+  int n_all = 0;
+  for (int c = 0; c < nb; ++c) {
+    const int n = tokens(c);
+    if (c == tail_c)
+      score_tile<GT, KG>(*w.T, tail, n, q, st, rho, nkg, P + c * bsp, ps, none);
+    else if (GT > 1)
+      score_tile<GT, KG>(L, heads[c], n, q, st, rho, nkg, P + c * bsp, ps, none, true);
+    if (c < nb - 1 && n < bsp)  // a short block inside the chunk: no token at its tail
+      for (int g = 0; g < GT; ++g)
+        for (int t = n; t < bsp; ++t) P[g * ps + c * bsp + t] = -__builtin_inff();
+    n_all = c * bsp + n;
+  }
+  softmax_rows<GT>(L, n_all, st, rho, nvg, ps);
+  if (nq > 0)
+    pv_int4_vnni_chunk<GT, VG>(L, heads, nq, tokens(nq - 1), P, ps, st.Cq, st.fc, st.acc + rho * D,
+                               st.zacc + rho * nvg * W, pf);
+  if (nq < nb) pv_tile<GT, VG>(*w.T, tail, tokens(nq), st, rho, nvg, P + nq * bsp, ps, none);
+}
+#endif
 
 // One chunk (blocks i0 .. i0 + nb) of GT rows from rho, all of kv head j: the scores of every
 // block, one softmax update, then P V block by block, prefetching from pfw (if given).
 template <int GT, int KG, int VG>
 static void chunk_tile(const RegionWalk& w, int i0, int nb, int j, int ntok, const float* q, const ItemState& st,
                        int rho, int nkg, int nvg, int ps, RegionWalk* pfw, int pf_lines, const uint8_t* tail) {
+#ifdef FD_VNNI
+  if (w.L->int4) return chunk_int4_vnni<GT, KG, VG>(w, i0, nb, j, ntok, q, st, rho, nkg, nvg, ps, pfw, tail);
+#endif
   const int bs = w.L->block_size, bsp = w.L->bsp;
   float* P = st.P;  // the tile's rows; the next tile reuses it
   // fp16 (one block per chunk): the prefetch of the region ahead runs through the scores and the P V
@@ -577,6 +835,8 @@ static void run_items_groups(const AttnJob& J, int begin, int end, float* scratc
   st.zacc = take(static_cast<size_t>(rows) * nvg * 16);
   st.fs = take(static_cast<size_t>(rows) * nkg);
   st.limbs = reinterpret_cast<int32_t*>(take(static_cast<size_t>(rows) * 3 * (D / 4)));
+  st.fc = take(static_cast<size_t>(8) * nvg);
+  st.Cq = reinterpret_cast<int32_t*>(take(static_cast<size_t>(8) * nvg * ps));
   const size_t pf_bytes = L.int4 ? kPrefetchBytesInt4 : kPrefetchBytesFp16;
   const int pf_regions = static_cast<int>((pf_bytes + L.head_bytes - 1) / L.head_bytes);
   const int pf_lines = static_cast<int>((L.head_bytes / 64 + bs - 1) / bs);  // per token of a region

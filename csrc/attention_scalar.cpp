@@ -19,6 +19,7 @@ struct V {
   static inline F max(F a, F b) { return a > b ? a : b; }
   static inline float hmax(F x) { return x; }
   static inline float hsum(F x) { return x; }
+  static inline float first(F x) { return x; }
   static inline F exp2(F x) { return x < -126.0f ? 0.0f : std::exp2(x); }
   static inline void nib(const uint8_t* p, F& lo, F& hi) {
     lo = static_cast<float>(p[0] & 15);

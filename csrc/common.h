@@ -74,11 +74,17 @@ inline float h2f(uint16_t h) {
 //   int4:  K nibbles [D/8][bsp] u32: word t of row r = channels 8r..8r+7 of token t; its byte b
 //                                  holds channel 8r+b (low nibble) and 8r+4+b (high nibble)
 //          K scale, zero [D/kg][bsp] fp16     (one group = kg channels of one token)
-//          V nibbles [bs][D/2]    per token and group: byte j = channel j (low), j+vg/2 (high)
+//          V nibbles [bsp/4][Dp/32][64] u8: tokens in quads; line l of quad g holds channels
+//                                  32l..32l+31 of tokens 4g..4g+3, its byte 4i + t channel 32l+i of
+//                                  token 4g+t (low nibble) and channel 32l+16+i (high nibble);
+//                                  Dp = D rounded up to 32 (padding channels hold 0)
 //          V scale, zero [D/vg][bsp] fp16     (vg channels of one token)
 //
 // bsp = block_size rounded up to 16, so full-vector loads across tokens stay
 // inside the region; lanes past the last token are ignored by the kernels.
+// The V nibbles of 4 tokens of one channel share a 32-bit lane: a 64-byte line gives 16 channels'
+// nibbles by one `and` (or a shift and an `and`) per token, and 4 tokens of 16 channels as the bytes
+// of one integer dot product (avx512vnni).
 //
 // int4 groups (kg for keys, vg for values): 16, 32, 64 or 128 channels dividing D. Larger
 // groups store fewer scale and zero bytes (at D = 128 a token of one kv head takes 160 bytes at
@@ -98,10 +104,16 @@ inline int default_group(int most, int head_dim) {
   return g;
 }
 
+// int4 V: the byte holding channel d of token slot (low nibble if d % 32 < 16, else high).
+inline size_t v_nibble_byte(size_t v_quad, int slot, int d) {
+  return static_cast<size_t>(slot / 4) * v_quad + static_cast<size_t>(d / 32) * 64 + 4 * (d % 16) + slot % 4;
+}
+
 struct Layout {
   int num_kv_heads = 0, head_dim = 0, block_size = 0, bsp = 0, kgroup = 0, vgroup = 0;
   bool int4 = false;
   size_t k_off = 0, ks_off = 0, kz_off = 0, v_off = 0, vs_off = 0, vz_off = 0;
+  size_t v_quad = 0;  // int4: bytes of V nibbles per quad of tokens (Dp / 32 lines of 64)
   size_t head_bytes = 0, block_bytes = 0;
 
   // kgroup, vgroup: int4 only, valid_group or 0 (checked by the store)
@@ -126,7 +138,8 @@ struct Layout {
       L.ks_off = a64(D / 2 * bsp);
       L.kz_off = L.ks_off + nkg * bsp * 2;
       L.v_off = a64(L.kz_off + nkg * bsp * 2);
-      L.vs_off = a64(L.v_off + bs * D / 2);
+      L.v_quad = (D + 31) / 32 * 64;
+      L.vs_off = a64(L.v_off + bsp / 4 * L.v_quad);
       L.vz_off = L.vs_off + nvg * bsp * 2;
       L.head_bytes = a64(L.vz_off + nvg * bsp * 2);
     }
@@ -168,10 +181,11 @@ struct AttnJob {
 inline size_t scratch_floats(const Layout& L, int G, int head_span) {
   const size_t D = L.head_dim, bsp = L.bsp, rows = size_t(G) * head_span;
   const size_t nkg = L.int4 ? D / L.kgroup : 0, nvg = L.int4 ? D / L.vgroup : 0;
-  // m, l, qsum, acc, zacc, fs, limbs per row; P (a chunk of blocks) and Cc for a tile of 8 rows;
-  // 64-byte alignment of 10 arrays
+  // m, l, qsum, acc, zacc, fs, limbs per row; P (a chunk of blocks), Cc, fc and Cq for a tile of
+  // 8 rows; 64-byte alignment of 12 arrays
   const size_t chunk = L.int4 ? kChunkBlocksInt4 : kChunkBlocksFp16;
-  return rows * (1 + 16 + nkg + D + nvg * 16 + nkg + 3 * (D / 4)) + 8 * chunk * bsp + 8 * nvg * bsp + 16 * 10;
+  return rows * (1 + 16 + nkg + D + nvg * 16 + nkg + 3 * (D / 4)) + 8 * chunk * bsp + 8 * nvg * bsp + 8 * nvg +
+         8 * nvg * chunk * bsp + 16 * 12;
 }
 
 using ItemsFn = void (*)(const AttnJob&, int begin, int end, float* scratch);

@@ -318,14 +318,14 @@ void KVStore::write_token(Seq& s, int layer, int pos, const Input& k, const Inpu
       to_float(static_cast<const uint16_t*>(v.data) + base, vx, D);
     else
       std::memcpy(vx, static_cast<const float*>(v.data) + base, static_cast<size_t>(D) * 4);
-    const int kg = L_.kgroup, vg = L_.vgroup, half = vg / 2;
+    const int kg = L_.kgroup, vg = L_.vgroup;
     uint32_t* Kn = reinterpret_cast<uint32_t*>(head + L_.k_off);
     uint16_t* Ks = reinterpret_cast<uint16_t*>(head + L_.ks_off);
     uint16_t* Kz = reinterpret_cast<uint16_t*>(head + L_.kz_off);
-    uint8_t* Vn = head + L_.v_off + static_cast<size_t>(slot) * (D / 2);
+    uint8_t* Vn = head + L_.v_off;
     uint16_t* Vs = reinterpret_cast<uint16_t*>(head + L_.vs_off);
     uint16_t* Vz = reinterpret_cast<uint16_t*>(head + L_.vz_off);
-    uint8_t u[128];  // one group
+    uint8_t u[128], vu[4096 + 32];  // one key group; every value channel, padded to 32 with zeros
     for (int g = 0; g < D / kg; ++g) {
       quantize_group(kx + g * kg, kg, u, &Ks[g * bsp + slot], &Kz[g * bsp + slot]);
       for (int r = 0; r < kg / 8; ++r) {
@@ -335,10 +335,11 @@ void KVStore::write_token(Seq& s, int layer, int pos, const Input& k, const Inpu
         Kn[static_cast<size_t>(g * kg / 8 + r) * bsp + slot] = w;
       }
     }
-    for (int g = 0; g < D / vg; ++g) {
-      quantize_group(vx + g * vg, vg, u, &Vs[g * bsp + slot], &Vz[g * bsp + slot]);
-      for (int j = 0; j < half; ++j) Vn[g * half + j] = static_cast<uint8_t>(u[j] | (u[half + j] << 4));
-    }
+    for (int g = 0; g < D / vg; ++g) quantize_group(vx + g * vg, vg, vu + g * vg, &Vs[g * bsp + slot], &Vz[g * bsp + slot]);
+    std::memset(vu + D, 0, 32);
+    for (int d = 0; d < D; d += 32)
+      for (int i = 0; i < 16; ++i)
+        Vn[v_nibble_byte(L_.v_quad, slot, d + i)] = static_cast<uint8_t>(vu[d + i] | (vu[d + 16 + i] << 4));
   }
 }
 
@@ -561,20 +562,20 @@ void KVStore::read(int64_t id, int layer, std::vector<float>* k, std::vector<flo
         }
         continue;
       }
-      const int kg = L_.kgroup, vg = L_.vgroup, half = vg / 2;
+      const int kg = L_.kgroup, vg = L_.vgroup;
       const uint32_t* Kn = reinterpret_cast<const uint32_t*>(head + L_.k_off);
       const uint16_t* Ks = reinterpret_cast<const uint16_t*>(head + L_.ks_off);
       const uint16_t* Kz = reinterpret_cast<const uint16_t*>(head + L_.kz_off);
-      const uint8_t* Vn = head + L_.v_off + static_cast<size_t>(slot) * (D / 2);
+      const uint8_t* Vn = head + L_.v_off;
       const uint16_t* Vs = reinterpret_cast<const uint16_t*>(head + L_.vs_off);
       const uint16_t* Vz = reinterpret_cast<const uint16_t*>(head + L_.vz_off);
       for (int d = 0; d < D; ++d) {
-        const int gk = d / kg, gv = d / vg, j = d % vg;
+        const int gk = d / kg, gv = d / vg;
         const uint32_t kw = Kn[static_cast<size_t>(d / 8) * bsp + slot];
         const int ku = static_cast<int>(kw >> (8 * (d % 4) + 4 * ((d % 8) / 4))) & 15;
         ko[d] = h2f(Ks[gk * bsp + slot]) * ku + h2f(Kz[gk * bsp + slot]);
-        const uint8_t vb = Vn[gv * half + j % half];
-        const int vu = j < half ? vb & 15 : vb >> 4;
+        const uint8_t vb = Vn[v_nibble_byte(L_.v_quad, slot, d)];
+        const int vu = d % 32 < 16 ? vb & 15 : vb >> 4;
         vo[d] = h2f(Vs[gv * bsp + slot]) * vu + h2f(Vz[gv * bsp + slot]);
       }
     }

@@ -9,18 +9,23 @@ float16); contiguous inputs are passed to C++ without copies.
 `reference_attention` below is what every kernel path computes.
 
 Kernel paths (chosen at run time from the CPU's features, or forced with
-`isa=`): "avx512vnni" (as avx512, with int4 key scores as AVX512-VNNI integer dot
-products), "avx512" (AVX-512 F/BW/VL/DQ, 16 lanes), "avx2" (AVX2 + FMA + F16C,
-8 lanes; the paper's ISA) and "scalar" (any CPU). All compute in fp32, except
+`isa=`): "avx512vnni" (as avx512, with int4 key scores and value sums as AVX512-VNNI
+integer dot products), "avx512" (AVX-512 F/BW/VL/DQ, 16 lanes), "avx2" (AVX2 + FMA +
+F16C, 8 lanes; the paper's ISA) and "scalar" (any CPU). All compute in fp32, except
 that avx512vnni holds q for int4 key scores in 24-bit fixed point per key group
 (three signed-byte limbs; error at most half an fp32 ulp of the group's largest
-|q|), sums q . u in int32 and converts once per group.
+|q|), sums q . u in int32 and converts once per group; and, for the values, holds
+each chunk's weights p_t * scale_t (4 blocks of one kv head) in 24-bit fixed point per
+value group (three byte limbs, error at most half an fp32 ulp of the chunk's largest),
+sums them against the nibbles of 4 tokens at a time in int32, and converts once per
+chunk.
 
 int4 format: asymmetric, per token, in groups of channels with an fp16 scale and
 zero point each: `k_group` channels for keys (default 32), `v_group` for values
 (default 64), each 16, 32, 64 or 128 and dividing head_dim (the default falls to
 the largest such group below it; the AVX-512 paths need value groups of 32 or
-more). At head_dim 128 a token of one kv head takes 152 bytes at the defaults
+more; int4 value nibbles lie in lines of 32 channels, so a head_dim of 16 mod 32 pads
+its last line). At head_dim 128 a token of one kv head takes 152 bytes at the defaults
 (3.37x less than fp16's 512), 160 at 32/32, 144 at 64/64. Keys lose more than
 values to larger groups (bench/results/int4_grouping.json, simulated on the
 default model with the newest block in fp16: perplexity over fp16 KV +3.3% at

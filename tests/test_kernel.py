@@ -511,3 +511,44 @@ def test_concurrent_calls_are_safe():
     t.join()
     assert not errors
     check_against_reference(store, [1], q, want, originals)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_int4_values_peaked_and_faded(isa, group):
+    """The integer P V puts each chunk's coefficients p_t * scale_t in fixed point against the
+    chunk's largest (24 bits). Weights over many orders of magnitude: one token holding nearly all
+    of them, chunks after the running max whose weights all faded, value scales from 0.01 to 100.
+    (At 16 bits, test_matches_reference fails on the integer path; this one does not: a chunk's
+    error is bounded by its own largest weight.)"""
+    rng = np.random.default_rng(40 + group)
+    hkv, d, n = 2, 128, 10 * BS + 3
+    store = make_store(hkv, d, "int4", isa, layers=1)
+    ids = [1, 2]
+    store.create(ids)
+    k = rng.standard_normal((2 * n, hkv, d)).astype(np.float32)
+    v = (rng.standard_normal((2 * n, hkv, d)) * np.linspace(0.01, 100, d)).astype(np.float32)
+    q = np.repeat(k[[5, n + 2]], group, axis=1) * 3  # sequence 1: token 5 dominates; 2: the first block
+    k[n: n + BS] += k[n + 2] * 0.5  # sequence 2: its first block scores high, the later ones fade
+    store.append_span(0, ids, [n, n], k, v)
+    o = store.attend(0, ids, q)
+    check_against_reference(store, ids, q, o)
+
+
+@pytest.mark.parametrize("isa", ["scalar", pytest.param("avx2", marks=pytest.mark.skipif(
+    not cpu_supports("avx2"), reason="CPU lacks avx2"))])
+@pytest.mark.parametrize("d", [16, 48, 80])
+def test_int4_head_dim_padded_to_32(isa, d):
+    """int4 value nibbles are stored in lines of 32 channels; head_dim 16 mod 32 pads the last line."""
+    rng = np.random.default_rng(d)
+    store = KVStore(1, 2, d, 8 << 20, kv_format="int4", isa=isa, k_group=16, v_group=16)
+    ids = [3, 4]
+    store.create(ids)
+    originals = fill(store, rng, 0, ids, [BS + 5, 3 * BS], scale=2.0)
+    for (k, v), i in zip(originals, ids):
+        _, vc = store.read(i, 0)
+        g = v.reshape(len(v), 2, d // 16, 16)
+        step = (g.max(-1, keepdims=True) - g.min(-1, keepdims=True)) / 15
+        assert np.all(np.abs(vc.reshape(g.shape) - g) <= step * 0.51 + 1e-3 * np.abs(g).max(-1, keepdims=True))
+    q = rng.standard_normal((2, 4, d)).astype(np.float32)
+    check_against_reference(store, ids, q, store.attend(0, ids, q), originals)
