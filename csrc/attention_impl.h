@@ -11,7 +11,9 @@
 // sum l, accumulator acc rescaled by 2^(m_old - m_new)); scores are kept in
 // log2 units (q is pre-multiplied by log2(e) / sqrt(D)). All math in fp32, except
 // that with FD_VNNI (the avx512vnni path) int4 key scores are integer dot products
-// of the nibbles with q in 24-bit fixed point (q_limbs), summed exactly in int32.
+// of the nibbles with q in 24-bit fixed point (q_limbs), and int4 value sums integer
+// dot products of the nibbles with each chunk's weights in 24-bit fixed point
+// (pv_int4_vnni_chunk), both summed exactly in int32.
 // The plain float64 version is `reference_attention` in fastdecode/kernels.py.
 //
 // int4: a stored value is x = scale * u + zero (u in 0..15, per group of channels
@@ -35,9 +37,9 @@ struct Prefetch {
 
 // Bytes ahead the kernel prefetches, in the order it reads (RegionWalk). A region is 8 KiB
 // at fp16 and 2.5 KiB at int4 (D=128); int4 regions are small, so their successors must be
-// requested earlier. Measured (1 thread, Zen 5): fp16 best at 4-8 KiB ahead (16 KiB and more
-// is slower); int4 (chunks of 4 blocks) 5% slower at 12 KiB, and at 24 KiB it fell to 0.65x
-// in some runs.
+// requested earlier. Measured (Zen 5): fp16 best at 4-8 KiB ahead (16 KiB and more is slower,
+// 1 thread); int4 (chunks of 4 blocks, the integer P V) at 6 / 8 / 12 / 32 KiB 1.28-1.33x /
+// 1.08-1.13x / 0.99-1.01x / 1.03x the time of 16 KiB, at 1 and 2 threads.
 constexpr size_t kPrefetchBytesFp16 = 8192, kPrefetchBytesInt4 = 16384;
 
 // The regions of an item in read order (chunks of NB blocks; inside a chunk, head by head,
