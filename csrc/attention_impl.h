@@ -275,66 +275,105 @@ static void scores_int4_vnni(const Layout& L, const uint8_t* head, int n, const 
   }
 }
 
-// The MHA case of scores_int4_vnni for U column units at once (W tokens of a block each, from up
-// to U blocks): each limb is broadcast into a register once per key row and serves all U units.
-// (As memory operands of every instruction, the limb loads bounded the loop: 6 per 8 channels.)
-// Unit u: key rows from kn[u], scales and zero points from ks[u], kz[u], scores to out[u].
-template <int U, int KG>
+// scores_int4_vnni for GT rows and U column units at once (W tokens of a block each, from up to U
+// blocks): each limb is broadcast into a register once per key row and serves all U units. (As
+// memory operands of every instruction, the limb loads bounded the loop: 6 per 8 channels and row.)
+// Unit u: key rows from kn[u], scales and zero points from ks[u], kz[u], scores of row g to
+// out[u] + g * ps. Row g's limbs, steps and sums at limbs + g * 3 * D/4, fs + g * nkg, qsum + g * nkg.
+template <int GT, int U, int KG>
 static void scores_int4_vnni_units(const Layout& L, const uint32_t* const* kn, const uint16_t* const* ks,
-                                   const uint16_t* const* kz, float* const* out, const int32_t* limbs,
+                                   const uint16_t* const* kz, float* const* out, int ps, const int32_t* limbs,
                                    const float* fs, const float* qsum, PrefetchRun& pf_io) {
   typedef typename V::I I;
   PrefetchRun pf = pf_io;  // a local copy stays in registers
   const int D = L.head_dim, bsp = L.bsp, kr = (KG ? KG : L.kgroup) / 8, ng = D / (8 * kr), D4 = D / 4;
-  F s[U];
+  F s[U];  // GT == 1; more rows add up in out (GT 4 x 2 units: 24 accumulators in registers already)
   for (int u = 0; u < U; ++u) s[u] = V::zero();
+  if (GT > 1)
+    for (int g = 0; g < GT; ++g)
+      for (int u = 0; u < U; ++u) V::store(out[u] + g * ps, V::zero());
   for (int grp = 0; grp < ng; ++grp) {
     pf.step(kr);
-    I a[U][3];
-    for (int u = 0; u < U; ++u) a[u][0] = a[u][1] = a[u][2] = V::izero();
+    I a[GT][U][3];
+    for (int g = 0; g < GT; ++g)
+      for (int u = 0; u < U; ++u) a[g][u][0] = a[g][u][1] = a[g][u][2] = V::izero();
 #pragma GCC unroll 8
     for (int rr = 0; rr < kr; ++rr) {
       const int r = grp * kr + rr;
-      I w[3][2];
-      for (int l = 0; l < 3; ++l) {
-        w[l][0] = V::iset1(limbs[l * D4 + 2 * r]);
-        w[l][1] = V::iset1(limbs[l * D4 + 2 * r + 1]);
-      }
-      for (int u = 0; u < U; ++u) {
-        I lo, hi;
-        V::nib_bytes(V::load_u32(kn[u] + static_cast<ptrdiff_t>(r) * bsp), lo, hi);
-        for (int l = 0; l < 3; ++l) a[u][l] = V::dpbusd(V::dpbusd(a[u][l], lo, w[l][0]), hi, w[l][1]);
+      if (GT == 1) {
+        I w[3][2];
+        for (int l = 0; l < 3; ++l) {
+          w[l][0] = V::iset1(limbs[l * D4 + 2 * r]);
+          w[l][1] = V::iset1(limbs[l * D4 + 2 * r + 1]);
+        }
+        for (int u = 0; u < U; ++u) {
+          I lo, hi;
+          V::nib_bytes(V::load_u32(kn[u] + static_cast<ptrdiff_t>(r) * bsp), lo, hi);
+          for (int l = 0; l < 3; ++l) a[0][u][l] = V::dpbusd(V::dpbusd(a[0][u][l], lo, w[l][0]), hi, w[l][1]);
+        }
+      } else {
+        I lo[U], hi[U];
+        for (int u = 0; u < U; ++u) V::nib_bytes(V::load_u32(kn[u] + static_cast<ptrdiff_t>(r) * bsp), lo[u], hi[u]);
+        for (int g = 0; g < GT; ++g)
+          for (int l = 0; l < 3; ++l) {  // two limb registers at a time
+            const int32_t* wl = limbs + (g * 3 + l) * D4 + 2 * r;
+            const I w0 = V::iset1(wl[0]), w1 = V::iset1(wl[1]);
+            for (int u = 0; u < U; ++u) a[g][u][l] = V::dpbusd(V::dpbusd(a[g][u][l], lo[u], w0), hi[u], w1);
+          }
       }
     }
-    const F f = V::set1(fs[grp]), z = V::set1(qsum[grp]);
     for (int u = 0; u < U; ++u) {
-      const F dot = V::fma(V::cvt(a[u][0]), V::set1(65536.0f), V::fma(V::cvt(a[u][1]), V::set1(256.0f), V::cvt(a[u][2])));
-      s[u] = V::fma(V::load_h(ks[u] + static_cast<size_t>(grp) * bsp), V::mul(dot, f), s[u]);
-      s[u] = V::fma(V::load_h(kz[u] + static_cast<size_t>(grp) * bsp), z, s[u]);
+      const F ksu = V::load_h(ks[u] + static_cast<size_t>(grp) * bsp), kzu = V::load_h(kz[u] + static_cast<size_t>(grp) * bsp);
+      for (int g = 0; g < GT; ++g) {
+        const F dot = V::fma(V::cvt(a[g][u][0]), V::set1(65536.0f),
+                             V::fma(V::cvt(a[g][u][1]), V::set1(256.0f), V::cvt(a[g][u][2])));
+        const F f = V::set1(fs[g * ng + grp]), z = V::set1(qsum[g * ng + grp]);
+        if (GT == 1) {
+          s[u] = V::fma(ksu, V::mul(dot, f), s[u]);
+          s[u] = V::fma(kzu, z, s[u]);
+        } else {
+          float* o = out[u] + g * ps;
+          V::store(o, V::fma(kzu, z, V::fma(ksu, V::mul(dot, f), V::load(o))));
+        }
+      }
     }
   }
-  for (int u = 0; u < U; ++u) V::store(out[u], s[u]);
+  if (GT == 1)
+    for (int u = 0; u < U; ++u) V::store(out[u], s[u]);
   pf_io = pf;
 }
 
-// The scores of nb int4 blocks (heads[c], n tokens each but the last) for one query head, in
-// batches of up to 4 column units.
-template <int KG>
-static void scores_int4_vnni_mha(const Layout& L, const uint8_t* const* heads, int nb, int n_last,
-                                 const int32_t* limbs, const float* fs, const float* qsum, float* P,
-                                 PrefetchRun& pf) {
-  constexpr int UM = 4;
+// Column units scored together: 4 for one row, 2 for 2-4 rows (more rows score block by block); and
+// the row groups they go in (4 rows as 2 x 2: all 4 at once needed 31 of the 32 vector registers).
+template <int GT>
+constexpr int vnni_score_units() { return GT == 1 ? 4 : (GT <= 4 ? 2 : 0); }
+template <int GT>
+constexpr int vnni_score_rows() { return GT == 4 ? 2 : GT; }
+
+// The scores of nb int4 blocks (heads[c], n tokens each but the last) for GT rows (P row stride ps), in
+// batches of vnni_score_units column units.
+template <int GT, int KG>
+static void scores_int4_vnni_rows(const Layout& L, const uint8_t* const* heads, int nb, int n_last,
+                                  const int32_t* limbs, const float* fs, const float* qsum, float* P, int ps,
+                                  PrefetchRun& pf) {
+  constexpr int UM = vnni_score_units<GT>() > 0 ? vnni_score_units<GT>() : 1;
   const int bsp = L.bsp;
   const uint32_t* kn[UM];
   const uint16_t *ks[UM], *kz[UM];
   float* out[UM];
   int u = 0;
+  constexpr int GH = vnni_score_rows<GT>();
+  const int D4 = L.head_dim / 4, nkg = L.head_dim / L.kgroup;
   auto flush = [&]() {
-    switch (u) {
-      case 1: scores_int4_vnni_units<1, KG>(L, kn, ks, kz, out, limbs, fs, qsum, pf); break;
-      case 2: scores_int4_vnni_units<2, KG>(L, kn, ks, kz, out, limbs, fs, qsum, pf); break;
-      case 3: scores_int4_vnni_units<3, KG>(L, kn, ks, kz, out, limbs, fs, qsum, pf); break;
-      case 4: scores_int4_vnni_units<4, KG>(L, kn, ks, kz, out, limbs, fs, qsum, pf); break;
+    for (int g0 = 0; g0 < GT; g0 += GH) {
+      const int32_t* lg = limbs + g0 * 3 * D4;
+      const float *fg = fs + g0 * nkg, *qg = qsum + g0 * nkg;
+      float* og[UM];
+      for (int i = 0; i < u; ++i) og[i] = out[i] + g0 * ps;
+      if (u == UM) scores_int4_vnni_units<GH, UM, KG>(L, kn, ks, kz, og, ps, lg, fg, qg, pf);
+      else if (UM == 4 && u == 3) scores_int4_vnni_units<GH, (UM == 4 ? 3 : 1), KG>(L, kn, ks, kz, og, ps, lg, fg, qg, pf);
+      else if (UM == 4 && u == 2) scores_int4_vnni_units<GH, (UM == 4 ? 2 : 1), KG>(L, kn, ks, kz, og, ps, lg, fg, qg, pf);
+      else if (u == 1) scores_int4_vnni_units<GH, 1, KG>(L, kn, ks, kz, og, ps, lg, fg, qg, pf);
     }
     u = 0;
   };
@@ -734,7 +773,9 @@ static void chunk_int4_vnni(const RegionWalk& w, int i0, int nb, int j, int ntok
     const int n_last = tokens(nq - 1);
     const int units = (nq - 1) * (bsp / W) + (n_last + W - 1) / W;
     const int quads = (nq - 1) * (bsp / 4) + (n_last + 3) / 4;
-    const int steps = (GT == 1 ? D / 8 * ((units + 3) / 4) : 0) + vnni_pv_passes<GT>(D) * quads;  // rows, quads
+    constexpr int U = vnni_score_units<GT>();
+    const int score_steps = U ? GT / vnni_score_rows<GT>() * (D / 8) * ((units + U - 1) / (U ? U : 1)) : 0;  // rows
+    const int steps = score_steps + vnni_pv_passes<GT>(D) * quads;
     const int lines = nb * static_cast<int>(L.head_bytes / 64);
     pf.w = pfw;
     pf.regions = nb;
@@ -742,11 +783,11 @@ static void chunk_int4_vnni(const RegionWalk& w, int i0, int nb, int j, int ntok
   } else if (pfw) {  // the chunk is the fp16 tail alone: the walk still moves past it
     pfw->next(0);
   }
-  if (GT == 1 && nq > 0) {
+  if (vnni_score_units<GT>() && nq > 0) {
     for (int c = 0; c < nq; ++c)  // the values into L1 for the P V after the chunk's scores
       for (size_t o = L.v_off; o < L.head_bytes; o += 64) __builtin_prefetch(heads[c] + o, 0, 3);
-    scores_int4_vnni_mha<KG>(L, heads, nq, tokens(nq - 1), st.limbs + rho * 3 * (D / 4), st.fs + rho * nkg,
-                             st.qsum + rho * nkg, P, pf);
+    scores_int4_vnni_rows<GT, KG>(L, heads, nq, tokens(nq - 1), st.limbs + rho * 3 * (D / 4), st.fs + rho * nkg,
+                                  st.qsum + rho * nkg, P, ps, pf);
   }
   Prefetch none;
   int n_all = 0;
@@ -754,7 +795,7 @@ static void chunk_int4_vnni(const RegionWalk& w, int i0, int nb, int j, int ntok
     const int n = tokens(c);
     if (c == tail_c)
       score_tile<GT, KG>(*w.T, tail, n, q, st, rho, nkg, P + c * bsp, ps, none);
-    else if (GT > 1)
+    else if (!vnni_score_units<GT>())
       score_tile<GT, KG>(L, heads[c], n, q, st, rho, nkg, P + c * bsp, ps, none, true);
     if (c < nb - 1 && n < bsp)  // a short block inside the chunk: no token at its tail
       for (int g = 0; g < GT; ++g)
