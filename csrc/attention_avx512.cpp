@@ -49,13 +49,6 @@ struct V {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
   }
-  static inline void nib(const uint8_t* p, F& lo, F& hi) {
-    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    // vpermps reads only the low 4 bits of each index: a 16-entry table replaces and + cvt
-    const F lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    lo = _mm512_permutexvar_ps(x, lut);
-    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), lut);
-  }
   static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   typedef __m512i I;
   static inline I load_u32(const uint32_t* p) { return _mm512_loadu_si512(p); }

@@ -300,27 +300,14 @@ static void scores_int4_vnni_units(const Layout& L, const uint32_t* const* kn, c
 #pragma GCC unroll 8
     for (int rr = 0; rr < kr; ++rr) {
       const int r = grp * kr + rr;
-      if (GT == 1) {
-        I w[3][2];
-        for (int l = 0; l < 3; ++l) {
-          w[l][0] = V::iset1(limbs[l * D4 + 2 * r]);
-          w[l][1] = V::iset1(limbs[l * D4 + 2 * r + 1]);
+      I lo[U], hi[U];
+      for (int u = 0; u < U; ++u) V::nib_bytes(V::load_u32(kn[u] + static_cast<ptrdiff_t>(r) * bsp), lo[u], hi[u]);
+      for (int g = 0; g < GT; ++g)
+        for (int l = 0; l < 3; ++l) {  // two limb registers at a time
+          const int32_t* wl = limbs + (g * 3 + l) * D4 + 2 * r;
+          const I w0 = V::iset1(wl[0]), w1 = V::iset1(wl[1]);
+          for (int u = 0; u < U; ++u) a[g][u][l] = V::dpbusd(V::dpbusd(a[g][u][l], lo[u], w0), hi[u], w1);
         }
-        for (int u = 0; u < U; ++u) {
-          I lo, hi;
-          V::nib_bytes(V::load_u32(kn[u] + static_cast<ptrdiff_t>(r) * bsp), lo, hi);
-          for (int l = 0; l < 3; ++l) a[0][u][l] = V::dpbusd(V::dpbusd(a[0][u][l], lo, w[l][0]), hi, w[l][1]);
-        }
-      } else {
-        I lo[U], hi[U];
-        for (int u = 0; u < U; ++u) V::nib_bytes(V::load_u32(kn[u] + static_cast<ptrdiff_t>(r) * bsp), lo[u], hi[u]);
-        for (int g = 0; g < GT; ++g)
-          for (int l = 0; l < 3; ++l) {  // two limb registers at a time
-            const int32_t* wl = limbs + (g * 3 + l) * D4 + 2 * r;
-            const I w0 = V::iset1(wl[0]), w1 = V::iset1(wl[1]);
-            for (int u = 0; u < U; ++u) a[g][u][l] = V::dpbusd(V::dpbusd(a[g][u][l], lo[u], w0), hi[u], w1);
-          }
-      }
     }
     for (int u = 0; u < U; ++u) {
       const F ksu = V::load_h(ks[u] + static_cast<size_t>(grp) * bsp), kzu = V::load_h(kz[u] + static_cast<size_t>(grp) * bsp);

@@ -21,10 +21,6 @@ struct V {
   static inline float hsum(F x) { return x; }
   static inline float first(F x) { return x; }
   static inline F exp2(F x) { return x < -126.0f ? 0.0f : std::exp2(x); }
-  static inline void nib(const uint8_t* p, F& lo, F& hi) {
-    lo = static_cast<float>(p[0] & 15);
-    hi = static_cast<float>(p[0] >> 4);
-  }
   static inline void prefetch(const void* p) { __builtin_prefetch(p); }
   typedef uint32_t I;
   static inline I load_u32(const uint32_t* p) { return *p; }
