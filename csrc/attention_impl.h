@@ -53,7 +53,7 @@ struct RegionWalk {
   int h0, nh, nblk, NB;
   int i0 = 0, j = 0, c = 0;  // the cursor: chunk start, head, block in chunk
   const uint8_t* at(int blk, int head) const {
-    return pool + static_cast<size_t>(table[blk]) * L->block_bytes + static_cast<size_t>(h0 + head) * L->head_bytes;
+    return pool + L->region(table[blk], h0 + head);
   }
   __attribute__((always_inline)) inline void advance() {
     const int nb = nblk - i0 < NB ? nblk - i0 : NB;
@@ -207,19 +207,24 @@ static void q_limbs(const float* q, int G, int D, int kg_rt, int32_t* limbs, flo
     int8_t* lc = reinterpret_cast<int8_t*>(limbs + (g * 3 + 2) * (D / 4));
     for (int grp = 0; grp < ng; ++grp) {
       const float* x = q + g * D + grp * kg;
-      float mx = 0.0f;
-      for (int d = 0; d < kg; ++d) mx = std::fabs(x[d]) > mx ? std::fabs(x[d]) : mx;
+      __m512 m = _mm512_setzero_ps();
+      for (int d = 0; d < kg; d += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + d)));
+      const float mx = _mm512_reduce_max_ps(m);
       float f = mx / 8323072.0f;
       if (!(f >= 1.17549435e-38f)) f = mx > 0.0f ? 1.17549435e-38f : 1.0f;  // subnormal or zero q
       fs[g * ng + grp] = f;
-      const float inv = 1.0f / f;
-      for (int d = 0; d < kg; ++d) {
-        const int32_t Q = static_cast<int32_t>(std::nearbyint(x[d] * inv));
-        const int32_t c = ((Q + 128) & 255) - 128, q1 = (Q - c) / 256;
-        const int32_t b = ((q1 + 128) & 255) - 128, a = (q1 - b) / 256;
-        la[grp * kg + d] = static_cast<int8_t>(a);
-        lb[grp * kg + d] = static_cast<int8_t>(b);
-        lc[grp * kg + d] = static_cast<int8_t>(c);
+      const __m512 inv = _mm512_set1_ps(1.0f / f);
+      const __m512i k128 = _mm512_set1_epi32(128), k255 = _mm512_set1_epi32(255);
+      auto low_byte = [&](__m512i v) {  // v's signed low byte: ((v + 128) & 255) - 128
+        return _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, k128), k255), k128);
+      };
+      for (int d = 0; d < kg; d += 16) {  // kg is a multiple of 16 (valid_group)
+        const __m512i Q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + d), inv));  // nearest, ties even
+        const __m512i c = low_byte(Q), q1 = _mm512_srai_epi32(_mm512_sub_epi32(Q, c), 8);  // exact: Q - c = 256 k
+        const __m512i b = low_byte(q1), a = _mm512_srai_epi32(_mm512_sub_epi32(q1, b), 8);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(la + grp * kg + d), _mm512_cvtepi32_epi8(a));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(lb + grp * kg + d), _mm512_cvtepi32_epi8(b));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(lc + grp * kg + d), _mm512_cvtepi32_epi8(c));
       }
     }
   }
@@ -912,11 +917,14 @@ static void run_items_groups(const AttnJob& J, int begin, int end, float* scratc
       float* out = J.out + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h0) * G + rho) * D;
       float* acc = st.acc + rho * D;
       const float inv = 1.0f / V::hsum(V::load(st.l + rho * W));
-      for (int grp = 0; grp < nvg; ++grp) {
-        const float z = V::hsum(V::load(st.zacc + (rho * nvg + grp) * W));
-        for (int d = grp * L.vgroup; d < (grp + 1) * L.vgroup; ++d) acc[d] += z;
+      for (int grp = 0; grp < nvg; ++grp) {  // a value group is a multiple of 16 channels, of W
+        const F z = V::set1(V::hsum(V::load(st.zacc + (rho * nvg + grp) * W)));
+        for (int d = grp * L.vgroup; d < (grp + 1) * L.vgroup; d += W) V::store(acc + d, V::add(V::load(acc + d), z));
       }
-      for (int d = 0; d < D; ++d) out[d] = acc[d] * inv;
+      const F iv = V::set1(inv);
+      int d = 0;
+      for (; d + W <= D; d += W) V::store(out + d, V::mul(V::load(acc + d), iv));
+      for (; d < D; ++d) out[d] = acc[d] * inv;
     }
   }
 }

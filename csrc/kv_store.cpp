@@ -179,7 +179,10 @@ KVStore::KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity
     throw ValueErr("capacity_bytes " + std::to_string(capacity_bytes) + " is less than one block (" +
                    std::to_string(L_.block_bytes) + " bytes)");
   nblocks_ = static_cast<int32_t>(std::min<size_t>(nb, std::numeric_limits<int32_t>::max()));
-  const size_t pool_bytes = static_cast<size_t>(nblocks_) * L_.block_bytes;
+  const size_t groups = (static_cast<size_t>(nblocks_) + L_.group_blocks - 1) / L_.group_blocks;
+  // Whole groups (Layout::region): a last group short of blocks is mapped whole, at most
+  // group_blocks - 1 blocks beyond the capacity, whose regions are never written.
+  const size_t pool_bytes = groups * L_.group_blocks * L_.block_bytes;
   const size_t used = pool_bytes + static_cast<size_t>(ntails_) * T_.block_bytes;
   map_bytes_ = (used + kHugePage - 1) / kHugePage * kHugePage + kHugePage;
   void* mem = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -277,8 +280,8 @@ void KVStore::free(const int64_t* ids, int n) {
   for (int i = 0; i < n; ++i) {
     auto it = seqs_.find(ids[i]);
     if (it == seqs_.end()) continue;
-    for (auto& layer_blocks : it->second.blocks)
-      for (int32_t b : layer_blocks) free_list_.push_back(b);
+    for (auto& layer_blocks : it->second.blocks)  // last first: the next to take them gets them in order,
+      for (auto b = layer_blocks.rbegin(); b != layer_blocks.rend(); ++b) free_list_.push_back(*b);  // chunks in one group
     for (int32_t t : it->second.tail)
       if (t >= 0) tail_free_.push_back(t);
     seqs_.erase(it);
@@ -300,11 +303,11 @@ int KVStore::length(int64_t id, int layer) {
 
 void KVStore::write_token(Seq& s, int layer, int pos, const Input& k, const Input& v, size_t src) {
   const int D = L_.head_dim, Hkv = L_.num_kv_heads, bs = L_.block_size, bsp = L_.bsp;
-  uint8_t* block = pool_base_ + static_cast<size_t>(s.blocks[layer][pos / bs]) * L_.block_bytes;
+  const int32_t block = s.blocks[layer][pos / bs];
   const int slot = pos % bs;
   alignas(64) float kx[4096], vx[4096];
   for (int h = 0; h < Hkv; ++h) {
-    uint8_t* head = block + static_cast<size_t>(h) * L_.head_bytes;
+    uint8_t* head = pool_base_ + L_.region(block, h);
     const size_t base = (src * Hkv + h) * D;
     if (!L_.int4) {
       write_fp16_head(L_, head, slot, k, v, base);
@@ -546,11 +549,11 @@ void KVStore::read(int64_t id, int layer, std::vector<float>* k, std::vector<flo
   for (int t = 0; t < n; ++t) {
     const bool in_tail = t >= tail_from;
     const Layout& L = in_tail ? T_ : L_;
-    const uint8_t* block = in_tail ? tail_base_ + static_cast<size_t>(s.tail[layer]) * T_.block_bytes
-                                   : pool_base_ + static_cast<size_t>(s.blocks[layer][t / bs]) * L_.block_bytes;
+    const uint8_t* base = in_tail ? tail_base_ : pool_base_;
+    const int32_t block = in_tail ? s.tail[layer] : s.blocks[layer][t / bs];
     const int slot = t % bs;
     for (int h = 0; h < Hkv; ++h) {
-      const uint8_t* head = block + static_cast<size_t>(h) * L.head_bytes;
+      const uint8_t* head = base + L.region(block, h);
       float* ko = k->data() + (static_cast<size_t>(t) * Hkv + h) * D;
       float* vo = v->data() + (static_cast<size_t>(t) * Hkv + h) * D;
       if (!L.int4) {

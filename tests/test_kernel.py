@@ -320,6 +320,45 @@ def test_free_then_reuse_blocks():
     assert store.stats()["blocks_used"] == 10 and store.stats()["blocks_total"] == total
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_int4_blocks_interleaved_across_groups(isa):
+    """int4 blocks lie in head-major groups of 4 in the pool (Layout::region). Sequences whose blocks
+    interleave, straddle groups, reuse freed blocks and fill a pool that ends inside a group read and
+    attend exactly as each one does alone in a store of its own."""
+    rng = np.random.default_rng(21)
+    hkv, d = 3, 64
+    probe = KVStore(1, hkv, d, 1 << 20, kv_format="int4", fp16_tail=False)
+    store = KVStore(1, hkv, d, 11 * probe.block_bytes, kv_format="int4", isa=isa, num_threads=1, fp16_tail=False)
+    assert store.stats()["blocks_total"] == 11
+    data: dict[int, list] = {}
+
+    def grow(sid, n):
+        k = rng.standard_normal((n, hkv, d)).astype(np.float32)
+        v = rng.standard_normal((n, hkv, d)).astype(np.float32)
+        store.append_span(0, [sid], [n], k, v)
+        data.setdefault(sid, []).append((k, v))
+
+    store.create([5, 6, 7])
+    for sid, n in [(5, 7), (6, 20), (7, 16), (5, 30), (6, 13), (7, 33), (5, 9), (6, 3)]:
+        grow(sid, n)  # blocks: 5 -> 3, 6 -> 3, 7 -> 4, handed out in turn
+    store.free([6])
+    store.create([8])
+    grow(8, 56)  # 4 blocks: the 3 of sequence 6 and the last of the pool
+    assert store.stats()["blocks_used"] == 11
+    ids = [5, 7, 8]
+    q = rng.standard_normal((3, 6, d)).astype(np.float32)
+    out = store.attend(0, ids, q)
+    for i, sid in enumerate(ids):
+        k = np.concatenate([a for a, _ in data[sid]])
+        v = np.concatenate([b for _, b in data[sid]])
+        alone = KVStore(1, hkv, d, 8 << 20, kv_format="int4", isa=isa, num_threads=1, fp16_tail=False)
+        alone.create([0])
+        alone.append_span(0, [0], [len(k)], k, v)
+        for got, want in zip(store.read(sid, 0), alone.read(0, 0)):
+            np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(out[i], alone.attend(0, [0], q[i:i + 1])[0])
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "int4"])
 def test_capacity_exhaustion_is_atomic(fmt):
     rng = np.random.default_rng(9)
