@@ -64,15 +64,14 @@ inline float h2f(uint16_t h) {
 }
 
 // One block holds `block_size` tokens of one (sequence, layer), all kv heads.
-// Each kv head owns one contiguous region (head_bytes) of it, K then V. The pool stores blocks in
-// groups of Layout::group_blocks, head-major (Layout::region): fp16 groups are single blocks, whose
-// regions lie side by side; an int4 group is one chunk of the kernel (kChunkBlocksInt4 blocks), and
-// it holds head 0's regions of its blocks, then head 1's, ... A work item (sequence, span of kv
-// heads) reads its span of each fp16 block, and of each int4 chunk whose blocks fill one group (a
-// prefill's do), as one contiguous run. (Per-head items striding across blocks read 0.65 of STREAM
-// bandwidth on one Zen 5 thread, span items 0.82. int4 chunks of 4 blocks read from 4 places at
-// once got 0.82-0.86 of STREAM at 2 threads, and 0.88 from one run; plain loads in that order, no
-// arithmetic, 0.71-0.86 of STREAM at 1 thread, 0.9-1.0 in one run.)
+// Inside it, each kv head owns one contiguous region (head_bytes), K then V, and
+// the regions lie side by side: a work item (sequence, span of kv heads) reads
+// its span of each block as one contiguous run (per-head items striding across
+// blocks read 0.65 of STREAM bandwidth on one Zen 5 thread, span items 0.82).
+// An int4 chunk (kChunkBlocksInt4 blocks of one head) reads 4 such runs at once: 0.82-0.86 of
+// STREAM at 2 threads. Storing a chunk's blocks head-major, as one run, read 0.88-0.96 when a
+// prefill had filled them, but 0.67 (against 0.82) for blocks taken in turn by growing sequences,
+// whose regions it strided: that needs an allocator that gives a sequence whole groups.
 //
 //   fp16:  K [D][bsp] (transposed: a row is one channel of bsp tokens)
 //          V [bs][D]
@@ -122,7 +121,6 @@ constexpr int kChunkBlocksInt4 = 4, kChunkBlocksFp16 = 1;
 
 struct Layout {
   int num_kv_heads = 0, head_dim = 0, block_size = 0, bsp = 0, kgroup = 0, vgroup = 0;
-  int group_blocks = 1;  // blocks stored head-major together (region())
   bool int4 = false;
   size_t k_off = 0, ks_off = 0, kz_off = 0, v_off = 0, vs_off = 0, vz_off = 0;
   size_t v_quad = 0;  // int4: bytes of V nibbles per quad of tokens (Dp / 32 lines of 64)
@@ -156,16 +154,12 @@ struct Layout {
       L.head_bytes = a64(L.vz_off + nvg * bsp * 2);
     }
     L.block_bytes = L.head_bytes * num_kv_heads;
-    L.group_blocks = int4 ? kChunkBlocksInt4 : kChunkBlocksFp16;
     return L;
   }
 
-  // Offset in the pool of the region (block, kv head). Blocks come in groups of group_blocks (an
-  // int4 chunk), stored head-major: the regions of one head in a group lie side by side, and then
-  // the next head's, so a chunk of consecutive blocks in one group is one run for all its heads.
+  // Offset in the pool of the region (block, kv head).
   size_t region(int32_t block, int head) const {
-    const size_t g = static_cast<size_t>(block) / group_blocks, i = static_cast<size_t>(block) % group_blocks;
-    return ((g * num_kv_heads + head) * group_blocks + i) * head_bytes;
+    return static_cast<size_t>(block) * block_bytes + static_cast<size_t>(head) * head_bytes;
   }
 };
 

@@ -179,10 +179,7 @@ KVStore::KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity
     throw ValueErr("capacity_bytes " + std::to_string(capacity_bytes) + " is less than one block (" +
                    std::to_string(L_.block_bytes) + " bytes)");
   nblocks_ = static_cast<int32_t>(std::min<size_t>(nb, std::numeric_limits<int32_t>::max()));
-  const size_t groups = (static_cast<size_t>(nblocks_) + L_.group_blocks - 1) / L_.group_blocks;
-  // Whole groups (Layout::region): a last group short of blocks is mapped whole, at most
-  // group_blocks - 1 blocks beyond the capacity, whose regions are never written.
-  const size_t pool_bytes = groups * L_.group_blocks * L_.block_bytes;
+  const size_t pool_bytes = static_cast<size_t>(nblocks_) * L_.block_bytes;
   const size_t used = pool_bytes + static_cast<size_t>(ntails_) * T_.block_bytes;
   map_bytes_ = (used + kHugePage - 1) / kHugePage * kHugePage + kHugePage;
   void* mem = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -280,8 +277,8 @@ void KVStore::free(const int64_t* ids, int n) {
   for (int i = 0; i < n; ++i) {
     auto it = seqs_.find(ids[i]);
     if (it == seqs_.end()) continue;
-    for (auto& layer_blocks : it->second.blocks)  // last first: the next to take them gets them in order,
-      for (auto b = layer_blocks.rbegin(); b != layer_blocks.rend(); ++b) free_list_.push_back(*b);  // chunks in one group
+    for (auto& layer_blocks : it->second.blocks)  // last first: the next to take them gets them in order
+      for (auto b = layer_blocks.rbegin(); b != layer_blocks.rend(); ++b) free_list_.push_back(*b);
     for (int32_t t : it->second.tail)
       if (t >= 0) tail_free_.push_back(t);
     seqs_.erase(it);

@@ -321,10 +321,9 @@ def test_free_then_reuse_blocks():
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_int4_blocks_interleaved_across_groups(isa):
-    """int4 blocks lie in head-major groups of 4 in the pool (Layout::region). Sequences whose blocks
-    interleave, straddle groups, reuse freed blocks and fill a pool that ends inside a group read and
-    attend exactly as each one does alone in a store of its own."""
+def test_int4_interleaved_blocks_read_as_alone(isa):
+    """Sequences whose blocks interleave in the pool, reuse freed blocks and fill it to the last block
+    read and attend exactly as each one does alone in a store of its own."""
     rng = np.random.default_rng(21)
     hkv, d = 3, 64
     probe = KVStore(1, hkv, d, 1 << 20, kv_format="int4", fp16_tail=False)
