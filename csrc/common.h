@@ -113,12 +113,6 @@ inline size_t v_nibble_byte(size_t v_quad, int slot, int d) {
   return static_cast<size_t>(slot / 4) * v_quad + static_cast<size_t>(d / 32) * 64 + 4 * (d % 16) + slot % 4;
 }
 
-// Blocks per chunk: the blocks of one kv head whose scores share one softmax update (see
-// run_items). An int4 region (block, kv head) is small (2.5 KiB at D=128 and 16 tokens), and one
-// softmax update per region cost a quarter of the int4 time. fp16 is bound by memory, and
-// reading its regions in chunk order defeats its prefetch (one region ahead): it keeps 1.
-constexpr int kChunkBlocksInt4 = 4, kChunkBlocksFp16 = 1;
-
 struct Layout {
   int num_kv_heads = 0, head_dim = 0, block_size = 0, bsp = 0, kgroup = 0, vgroup = 0;
   bool int4 = false;
@@ -165,6 +159,12 @@ struct Layout {
 
 // Most kv heads one work item walks together (see run_items).
 constexpr int kMaxHeadSpan = 64;
+
+// Blocks per chunk: the blocks of one kv head whose scores share one softmax update (see
+// run_items). An int4 region (block, kv head) is small (2.5 KiB at D=128 and 16 tokens), and one
+// softmax update per region cost a quarter of the int4 time. fp16 is bound by memory, and
+// reading its regions in chunk order defeats its prefetch (one region ahead): it keeps 1.
+constexpr int kChunkBlocksInt4 = 4, kChunkBlocksFp16 = 1;
 
 // One attention call over a batch, as the kernels see it. Work item i is (sequence
 // i / spans, kv heads [h0, h0 + head_span)), spans = ceil(num_kv_heads / head_span),

@@ -277,8 +277,8 @@ void KVStore::free(const int64_t* ids, int n) {
   for (int i = 0; i < n; ++i) {
     auto it = seqs_.find(ids[i]);
     if (it == seqs_.end()) continue;
-    for (auto& layer_blocks : it->second.blocks)  // last first: the next to take them gets them in order
-      for (auto b = layer_blocks.rbegin(); b != layer_blocks.rend(); ++b) free_list_.push_back(*b);
+    for (auto& layer_blocks : it->second.blocks)
+      for (int32_t b : layer_blocks) free_list_.push_back(b);
     for (int32_t t : it->second.tail)
       if (t >= 0) tail_free_.push_back(t);
     seqs_.erase(it);
