@@ -52,6 +52,11 @@ def kv_data(ctx: int, hkv: int, d: int) -> tuple[np.ndarray, np.ndarray]:
     return k, v
 
 
+def queries(batch: int, h: int, d: int) -> np.ndarray:
+    """q [batch, h, d] of a case, deterministic."""
+    return np.random.default_rng(1).standard_normal((batch, h, d), dtype=np.float32)
+
+
 def median_time(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
@@ -115,7 +120,7 @@ def bench_int4_in_cache(repeats: int) -> dict:
     h, d, hkv, batch, ctx = 32, 128, 32, 2, 1024
     ids = list(range(batch))
     store = filled_store("int4", *kv_data(ctx, hkv, d), batch)
-    q = np.random.default_rng(1).standard_normal((batch, h, d), dtype=np.float32)
+    q = queries(batch, h, d)
     nbytes = store.stats()["bytes_used"]
     out = {"batch": batch, "context": ctx, "kv_bytes": nbytes}
     for th in THREADS:
@@ -181,7 +186,7 @@ def mem_available() -> int:
 
 def measure_case(name, h, d, hkv, batch, ctx, stream) -> list[dict]:
     repeats = 5 if batch * ctx * hkv * d * 4 > (1 << 29) else 9
-    q = np.random.default_rng(1).standard_normal((batch, h, d), dtype=np.float32)
+    q = queries(batch, h, d)
     ours = bench_ours(h, d, hkv, batch, ctx, q, repeats, stream)
     gc.collect()
     tref = bench_torch(h, d, hkv, batch, ctx, q, 3 if repeats == 5 else 7)
@@ -279,8 +284,8 @@ def main() -> None:
                      f" (measured x{result['int4_speedup_vs_fp16_1thread']:.2f})" if one else ""), flush=True)
         # The same case with the cache grown as decoding sequences grow it (blocks interleaved): the
         # rows above are filled by prefill, whose blocks lie in order, and a layout can favour that.
-        q = np.random.default_rng(1).standard_normal((64, 32, 128), dtype=np.float32)
-        g = bench_ours(32, 128, hkv, 64, 4096, q, 5, stream, grown=True, threads=(HEADLINE_THREADS,))
+        g = bench_ours(32, 128, hkv, 64, 4096, queries(64, 32, 128), 5, stream, grown=True,
+                       threads=(HEADLINE_THREADS,))
         gt = g[HEADLINE_THREADS]
         result["decode_grown"] = dict(
             threads=HEADLINE_THREADS, stream_GBps=gt["stream"], ours_fp16_s=gt["fp16"], ours_int4_s=gt["int4"],
