@@ -37,10 +37,12 @@ struct Prefetch {
 
 // Bytes ahead the kernel prefetches, in the order it reads (RegionWalk). A region is 8 KiB
 // at fp16 and 2.5 KiB at int4 (D=128); int4 regions are small, so their successors must be
-// requested earlier. Measured (Zen 5): fp16 best at 4-8 KiB ahead (16 KiB and more is slower,
-// 1 thread); int4 (chunks of 4 blocks, the integer P V) at 6 / 8 / 12 / 32 KiB 1.28-1.33x /
-// 1.08-1.13x / 0.99-1.01x / 1.03x the time of 16 KiB, at 1 and 2 threads.
-constexpr size_t kPrefetchBytesFp16 = 8192, kPrefetchBytesInt4 = 16384;
+// requested earlier, by a distance that grows with the chunk (kPrefetchBytesInt4 per block of
+// it). Measured (Zen 5): fp16 best at 4-8 KiB ahead (16 KiB and more is slower at 1 and 2
+// threads); int4 chunks of 4 blocks at 6 / 8 / 12 / 32 KiB 1.28-1.33x / 1.08-1.13x / 0.99-1.01x /
+// 1.03x the time of 16 KiB, at 1 and 2 threads; chunks of 2 (2 threads) at 12 / 16 / 24 KiB
+// 1.03x / 1.04x / 1.11x the time of 8 KiB.
+constexpr size_t kPrefetchBytesFp16 = 8192, kPrefetchBytesInt4 = 4096;
 
 // The regions of an item in read order (chunks of NB blocks; inside a chunk, head by head,
 // and each head's blocks in turn), walked pf_regions ahead of the kernel for its software
@@ -386,30 +388,37 @@ static void scores_int4_vnni_rows(const Layout& L, const uint8_t* const* heads, 
 
 // Online softmax over one chunk of blocks for the GT heads of a tile; the heads are
 // independent, so their reductions overlap. P[g * ps + 0..n) holds scores in log2
-// units (-inf where no token is); on return 2^(s - m_new), with zeros up to the next
+// units (-inf where no token is); on return 2^(s - m), with zeros up to the next
 // multiple of W.
 // m[g] is the running max, l[g * W ..] the running sum as W lanes, and
 // corr[g] the factor the accumulators of head g must be scaled by.
+// The running max moves only when a chunk's scores exceed it by more than kMaxSlack (log2 units),
+// so probabilities reach 2^kMaxSlack. The branch is rarely taken after the first chunk: predicted,
+// it lets the exps start before the chunk's max is known (with a select they waited for it: fp16
+// took 1.03-1.05x the time in cache, 1.00-1.11x from DRAM), and the accumulators are rarely
+// rescaled.
+constexpr float kMaxSlack = 8.0f;
+
 template <int GT>
 static void softmax_tile(float* P, int ps, int n, float* m, float* l, float* corr) {
   const int nr = (n + W - 1) / W * W;
-  float m_new[GT];
   for (int g = 0; g < GT; ++g) {
     float* p = P + g * ps;
     for (int t = n; t < nr; ++t) p[t] = -__builtin_inff();
     F mx = V::load(p);
     for (int c0 = W; c0 < nr; c0 += W) mx = V::max(mx, V::load(p + c0));
     const float bm = V::hmax(mx);
-    m_new[g] = m[g] > bm ? m[g] : bm;
-  }
-  for (int g = 0; g < GT; ++g) {
-    // 0 on the first block; the vector exp2 (a call to exp2f made every zmm register a spill)
-    corr[g] = m_new[g] == m[g] ? 1.0f : V::first(V::exp2(V::set1(m[g] - m_new[g])));
-    m[g] = m_new[g];
+    corr[g] = 1.0f;
+    if (__builtin_expect(bm > m[g] + kMaxSlack, 0)) {
+      __asm__ volatile("");  // keeps the branch (the compiler turns it into selects otherwise)
+      // 0 on the first chunk; the vector exp2 (a call to exp2f made every zmm register a spill)
+      corr[g] = V::first(V::exp2(V::set1(m[g] - bm)));
+      m[g] = bm;
+    }
   }
   for (int g = 0; g < GT; ++g) {
     float* p = P + g * ps;
-    const F mv = V::set1(m_new[g]);
+    const F mv = V::set1(m[g]);
     F sum = V::mul(V::set1(corr[g]), V::load(l + g * W));
     for (int c0 = 0; c0 < nr; c0 += W) {
       const F e = V::exp2(V::sub(V::load(p + c0), mv));
@@ -856,7 +865,7 @@ static void run_items_groups(const AttnJob& J, int begin, int end, float* scratc
   const int D = L.head_dim, G = J.G, Hkv = L.num_kv_heads, bs = L.block_size, bsp = L.bsp;
   const int nkg = L.int4 ? D / L.kgroup : 0, nvg = L.int4 ? D / L.vgroup : 0;
   const int span = J.head_span, spans = (Hkv + span - 1) / span;
-  const int NB = L.int4 ? kChunkBlocksInt4 : kChunkBlocksFp16, ps = NB * bsp;  // ps: P row stride
+  const int NB = J.chunk, ps = NB * bsp;  // ps: P row stride
   float* sp = align16(scratch);
   auto take = [&sp](size_t floats) { float* p = sp; sp = align16(sp + floats); return p; };
   const int rows = span * G;
@@ -872,7 +881,7 @@ static void run_items_groups(const AttnJob& J, int begin, int end, float* scratc
   st.limbs = reinterpret_cast<int32_t*>(take(static_cast<size_t>(rows) * 3 * (D / 4)));
   st.fc = take(static_cast<size_t>(8) * nvg);
   st.Cq = reinterpret_cast<int32_t*>(take(static_cast<size_t>(8) * nvg * ps));
-  const size_t pf_bytes = L.int4 ? kPrefetchBytesInt4 : kPrefetchBytesFp16;
+  const size_t pf_bytes = L.int4 ? kPrefetchBytesInt4 * NB : kPrefetchBytesFp16;
   const int pf_regions = static_cast<int>((pf_bytes + L.head_bytes - 1) / L.head_bytes);
   const int pf_lines = static_cast<int>((L.head_bytes / 64 + bs - 1) / bs);  // per token of a region
   for (int item = begin; item < end; ++item) {

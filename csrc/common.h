@@ -68,10 +68,11 @@ inline float h2f(uint16_t h) {
 // the regions lie side by side: a work item (sequence, span of kv heads) reads
 // its span of each block as one contiguous run (per-head items striding across
 // blocks read 0.65 of STREAM bandwidth on one Zen 5 thread, span items 0.82).
-// An int4 chunk (kChunkBlocksInt4 blocks of one head) reads 4 such runs at once: 0.82-0.86 of
-// STREAM at 2 threads. Storing a chunk's blocks head-major, as one run, read 0.88-0.96 when a
-// prefill had filled them, but 0.67 (against 0.82) for blocks taken in turn by growing sequences,
-// whose regions it strided: that needs an allocator that gives a sequence whole groups.
+// An int4 chunk (chunk_blocks: 2 or 4 blocks of one head) reads that many such runs at once: 4
+// read 0.82-0.86 of STREAM at 2 threads. Storing a chunk's blocks head-major, as one run, read
+// 0.88-0.96 when a prefill had filled them, but 0.67 (against 0.82) for blocks taken in turn by
+// growing sequences, whose regions it strided: that needs an allocator that gives a sequence
+// whole groups.
 //
 //   fp16:  K [D][bsp] (transposed: a row is one channel of bsp tokens)
 //          V [bs][D]
@@ -161,10 +162,21 @@ struct Layout {
 constexpr int kMaxHeadSpan = 64;
 
 // Blocks per chunk: the blocks of one kv head whose scores share one softmax update (see
-// run_items). An int4 region (block, kv head) is small (2.5 KiB at D=128 and 16 tokens), and one
-// softmax update per region cost a quarter of the int4 time. fp16 is bound by memory, and
-// reading its regions in chunk order defeats its prefetch (one region ahead): it keeps 1.
+// run_items). An int4 region (block, kv head) is small (2.5 KiB at D=128 and 16 tokens), and its
+// per-chunk work (softmax, the P V weights in fixed point) weighs: 2 blocks take 1.29x the
+// arithmetic of 4 (in cache). But a chunk reads its regions at once, one block apart, and where
+// the call is bound by memory, 2 at a time read faster: MHA on 2 threads (7B shape, from DRAM,
+// the machine's bandwidth shared) took 0.85-0.96x the time of 4 blocks in 5 runs of 6 (1.17x in
+// one with the bandwidth to itself), while with 2 blocks 1 thread took 1.16-1.24x and GQA (4
+// query heads sharing each block's loads) 1.13-1.28x. fp16 is bound by memory, and reading its
+// regions in chunk order defeats its prefetch (one region ahead): it keeps 1.
 constexpr int kChunkBlocksInt4 = 4, kChunkBlocksFp16 = 1;
+
+// Blocks per chunk for a call on `threads` threads with G query heads per kv head (see above).
+inline int chunk_blocks(const Layout& L, int G, int threads) {
+  if (!L.int4) return kChunkBlocksFp16;
+  return G == 1 && threads > 1 ? 2 : kChunkBlocksInt4;
+}
 
 // One attention call over a batch, as the kernels see it. Work item i is (sequence
 // i / spans, kv heads [h0, h0 + head_span)), spans = ceil(num_kv_heads / head_span),
@@ -174,6 +186,7 @@ struct AttnJob {
   const uint8_t* pool = nullptr;
   int H = 0, G = 0;                        // query heads; query heads per kv head
   int head_span = 1;                       // kv heads per item, 1..kMaxHeadSpan
+  int chunk = 1;                           // blocks per chunk (chunk_blocks)
   const float* q = nullptr;                // [B, H, D], already multiplied by scale * log2(e)
   float* out = nullptr;                    // [B, H, D]
   const int32_t* const* tables = nullptr;  // [B] -> block ids of the sequence at this layer

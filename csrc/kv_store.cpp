@@ -476,6 +476,7 @@ void KVStore::run_attention(const Snapshot& snap, int H, Input q, float scale, f
   while (span > 1 && static_cast<int64_t>(B) * ((Hkv + span - 1) / span) < 4 * T) span = (span + 1) / 2;
   const int spans = (Hkv + span - 1) / span, items = B * spans;
   job.head_span = span;
+  job.chunk = chunk_blocks(L_, G, T);
   const size_t need = scratch_floats(L_, G, span);
   for (int t = 0; t < T; ++t)
     if (scratch_[t].size() < need) scratch_[t].resize(need);

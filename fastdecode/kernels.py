@@ -15,7 +15,7 @@ F16C, 8 lanes; the paper's ISA) and "scalar" (any CPU). All compute in fp32, exc
 that avx512vnni holds q for int4 key scores in 24-bit fixed point per key group
 (three signed-byte limbs; error at most half an fp32 ulp of the group's largest
 |q|), sums q . u in int32 and converts once per group; and, for the values, holds
-each chunk's weights p_t * scale_t (4 blocks of one kv head) in 24-bit fixed point per
+each chunk's weights p_t * scale_t (2 or 4 blocks of one kv head) in 24-bit fixed point per
 value group (three byte limbs, error at most half an fp32 ulp of the chunk's largest),
 sums them against the nibbles of 4 tokens at a time in int32, and converts once per
 chunk.

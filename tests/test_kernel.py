@@ -149,6 +149,30 @@ def test_decode_steps_cross_blocks(isa, fmt):
     assert store.length(0, 1) == 0
 
 
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["fp16", "int4"])
+@pytest.mark.parametrize("pattern", ["creep", "steps", "fall", "spike"])
+def test_running_max_moves_by_small_and_large_steps(isa, fmt, pattern):
+    """The online softmax moves its running max only when a block's scores pass it by more than a
+    slack (kMaxSlack, 8 in log2 units), so probabilities exceed 1 in between. Scores along one key
+    direction: creeping up by less than the slack per block, stepping up by more than it, falling
+    (the first block holds the max), and one spike amid low scores."""
+    hkv, d, group, n = 2, 64, 4, 12 * BS + 5
+    t = np.arange(n, dtype=np.float64)
+    amp = {"creep": t * 0.2, "steps": (t // 40) * 30.0, "fall": (n - t) * 0.5,
+           "spike": np.where(t == 7 * BS + 3, 80.0, 0.0)}[pattern]
+    rng = np.random.default_rng(len(pattern))
+    e = np.ones(d) / np.sqrt(d)  # scores s_t ~= amp_t * 3 / sqrt(d) (natural log units)
+    k = (amp[:, None, None] * e + 0.1 * rng.standard_normal((n, hkv, d))).astype(np.float32)
+    v = rng.standard_normal((n, hkv, d)).astype(np.float32)
+    q = (3 * e + 0.1 * rng.standard_normal((1, hkv * group, d))).astype(np.float32)
+    store = make_store(hkv, d, fmt, isa, layers=1)
+    store.create([4])
+    store.append_span(0, [4], [n], k, v)
+    check_against_reference(store, [4], q, store.attend(0, [4], q))
+
+
 def test_int4_quantization_error_bound():
     """Each stored value is within half a quantization step (plus fp16 rounding of the params)."""
     rng = np.random.default_rng(3)
@@ -254,6 +278,27 @@ def test_threads_give_identical_results():
     assert store.num_threads == 1
     np.testing.assert_array_equal(store.attend(0, ids, q), o2)
     check_against_reference(store, ids, q, o2)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fp16_tail", [False, True])
+def test_int4_chunks_of_2_and_4_blocks(isa, fp16_tail):
+    """int4 MHA scores 2 blocks per softmax update on several threads and 4 on one (chunk_blocks):
+    both against the reference, on sequences whose blocks fill neither evenly, with and without
+    the fp16 copy of the newest block. The two differ only by fp32 rounding."""
+    rng = np.random.default_rng(24)
+    hkv, d, lens = 4, 128, [5 * BS + 3, 7 * BS, 300, 1, BS + 1, 2 * BS - 1, 600]
+    ids = list(range(len(lens)))
+    store = KVStore(1, hkv, d, 64 << 20, kv_format="int4", isa=isa, fp16_tail=fp16_tail, num_threads=2)
+    store.create(ids)
+    fill(store, rng, 0, ids, lens)
+    q = rng.standard_normal((len(ids), hkv, d)).astype(np.float32)
+    o2 = store.attend(0, ids, q)  # (sum(lens) + 16 * 7) * hkv token-heads: enough for both threads
+    check_against_reference(store, ids, q, o2)
+    store.set_threads(1)
+    o1 = store.attend(0, ids, q)
+    check_against_reference(store, ids, q, o1)
+    assert rel(o1, o2.astype(np.float64)) <= INT4_TOL
 
 
 @pytest.mark.parametrize("isa", ISAS)
