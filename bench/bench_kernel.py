@@ -102,8 +102,8 @@ def bench_ours(h, d, hkv, batch, ctx, q, repeats, stream, grown=False, threads=T
         for _ in range(repeats):
             times["stream"].append(stream.read(th))
             for fmt, store in stores.items():
-                # The other store's pool spins for 20 us after its call; a worker woken meanwhile can
-                # land on the caller's core and stay there (a 2-core VM), halving a short call.
+                # Past the other store's 20 us of spinning: its workers sleep, and this call wakes
+                # its own from sleep, as a decode step's calls do.
                 time.sleep(0.002)
                 t0 = time.perf_counter()
                 store.attend(0, ids, q)

@@ -7,7 +7,11 @@ Every ISA path the CPU supports is forced in turn.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -278,6 +282,88 @@ def test_threads_give_identical_results():
     assert store.num_threads == 1
     np.testing.assert_array_equal(store.attend(0, ids, q), o2)
     check_against_reference(store, ids, q, o2)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_pool_workers_keep_off_the_callers_cpu():
+    """The scheduler may wake a worker on the CPU of the thread that woke it, where it waits for the
+    caller's share: the pool bars its workers from the caller's CPU (ThreadPool::keep_off), unless
+    the caller may run on one CPU only."""
+    allowed = os.sched_getaffinity(0)
+    before = set(os.listdir("/proc/self/task"))
+    store = make_store(2, 64, threads=len(allowed))
+    workers = [int(t) for t in set(os.listdir("/proc/self/task")) - before]
+    assert len(workers) == len(allowed) - 1
+    rng = np.random.default_rng(31)
+    ids = list(range(4))
+    store.create(ids)
+    fill(store, rng, 0, ids, [600] * 4)  # 4 x 616 x 2 (token, kv head) work: the pool runs
+    q = rng.standard_normal((4, 8, 64)).astype(np.float32)
+    check_against_reference(store, ids, q, store.attend(0, ids, q))
+    masks = [os.sched_getaffinity(t) for t in workers]
+    assert all(m == masks[0] for m in masks) and len(masks[0]) == len(allowed) - 1 and masks[0] < allowed
+
+    one = {min(allowed)}
+    fresh = make_store(2, 64, threads=len(allowed))
+    fresh_workers = [int(t) for t in set(os.listdir("/proc/self/task")) - before - {str(w) for w in workers}]
+    fresh.create(ids)
+    fill(fresh, rng, 0, ids, [600] * 4)
+    os.sched_setaffinity(0, one)
+    try:
+        check_against_reference(fresh, ids, q, fresh.attend(0, ids, q))
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert [os.sched_getaffinity(t) for t in fresh_workers] == [allowed] * len(fresh_workers)
+    store.close()
+    fresh.close()
+
+
+def median_call_s(store, ids, q, n=30):
+    times = []
+    for _ in range(n):
+        time.sleep(0.001)  # the workers go to sleep between calls, as between decode steps
+        t0 = time.perf_counter()
+        store.attend(0, ids, q)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_pool_call_does_not_wait_for_a_worker_that_cannot_start():
+    """A worker whose CPU is busy elsewhere (the S-Part may share the R-worker's cores) sits out a
+    call it has not started by the time the caller's share is done: the call takes about one
+    thread's time, where waiting for the worker took some 10 ms (28x) on the 2-core dev VM."""
+    allowed = sorted(os.sched_getaffinity(0))
+    before = set(os.listdir("/proc/self/task"))
+    pooled = make_store(3, 64, layers=1, threads=2)
+    (worker,) = [int(t) for t in set(os.listdir("/proc/self/task")) - before]
+    alone = make_store(3, 64, layers=1, threads=1)
+    rng = np.random.default_rng(37)
+    ids = list(range(16))
+    for store in (pooled, alone):
+        store.create(ids)
+        fill(store, np.random.default_rng(5), 0, ids, [1024] * 16)
+    q = rng.standard_normal((16, 9, 64)).astype(np.float32)
+    hog = None
+    os.sched_setaffinity(0, {allowed[0]})
+    try:
+        pooled.attend(0, ids, q)  # warm-up
+        one_thread_s = median_call_s(alone, ids, q)
+        os.sched_setaffinity(worker, {allowed[1]})
+        os.sched_setscheduler(worker, os.SCHED_IDLE, os.sched_param(0))
+        hog = subprocess.Popen([sys.executable, "-c",
+                                f"import os\nos.sched_setaffinity(0, {{{allowed[1]}}})\nwhile True: pass"])
+        time.sleep(0.3)
+        starved_s = median_call_s(pooled, ids, q)
+        check_against_reference(pooled, ids, q, pooled.attend(0, ids, q))
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+        os.sched_setaffinity(0, set(allowed))
+    assert starved_s < 3 * one_thread_s, (starved_s, one_thread_s)
+    pooled.close()
+    alone.close()
 
 
 @pytest.mark.parametrize("isa", ISAS)
