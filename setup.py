@@ -33,8 +33,9 @@ kernels = Pybind11Extension(
     cxx_std=17,
     # Portable baseline: ISA-specific code is compiled per function (target
     # attributes) and chosen at run time by CPU feature detection.
-    extra_compile_args=["-O3", "-fno-math-errno", "-Wall"],
-    extra_link_args=["-pthread"],
+    # -fopenmp: a store may run on the process's OpenMP team (torch's; see thread_pool.h).
+    extra_compile_args=["-O3", "-fno-math-errno", "-Wall", "-fopenmp"],
+    extra_link_args=["-pthread", "-fopenmp"],
 )
 
 setup(ext_modules=[kernels] if glob.glob("csrc/*.cpp") else [], cmdclass={"build_ext": BuildAll})

@@ -65,7 +65,7 @@ class PyKVStore {
  public:
   PyKVStore(int num_layers, int num_kv_heads, int head_dim, int64_t capacity_bytes, int block_size,
             const std::string& kv_format, int num_threads, const std::string& isa, bool fp16_tail, int k_group,
-            int v_group) {
+            int v_group, bool openmp) {
     if (kv_format != "fp16" && kv_format != "int4")
       throw py::value_error("kv_format must be 'fp16' or 'int4', got '" + kv_format + "'");
     if (capacity_bytes <= 0) throw py::value_error("capacity_bytes must be > 0");
@@ -80,7 +80,8 @@ class PyKVStore {
       throw py::value_error("isa must be 'auto', 'avx512vnni', 'avx512', 'avx2' or 'scalar', got '" + isa + "'");
     }
     store_ = std::make_unique<fd::KVStore>(num_layers, num_kv_heads, head_dim, static_cast<size_t>(capacity_bytes),
-                                           block_size, int4, num_threads, chosen, fp16_tail, k_group, v_group);
+                                           block_size, int4, num_threads, chosen, fp16_tail, k_group, v_group,
+                                           openmp);
     kv_format_ = kv_format;
   }
 
@@ -231,6 +232,7 @@ class PyKVStore {
   int k_group() const { return store_->layout().kgroup; }
   int v_group() const { return store_->layout().vgroup; }
   int num_threads() const { return store_->num_threads(); }
+  bool openmp() const { return store_->openmp(); }
   const std::string& kv_format() const { return kv_format_; }
 
  private:
@@ -306,10 +308,11 @@ PYBIND11_MODULE(_kernels, m) {
           },
           py::arg("threads"), "GB/s of one pass over the buffer with `threads` threads");
   py::class_<PyKVStore>(m, "KVStore", py::module_local())
-      .def(py::init<int, int, int, int64_t, int, const std::string&, int, const std::string&, bool, int, int>(),
+      .def(py::init<int, int, int, int64_t, int, const std::string&, int, const std::string&, bool, int, int, bool>(),
            py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("capacity_bytes"),
            py::arg("block_size") = 16, py::arg("kv_format") = "fp16", py::arg("num_threads") = 0,
-           py::arg("isa") = "auto", py::arg("fp16_tail") = false, py::arg("k_group") = 0, py::arg("v_group") = 0)
+           py::arg("isa") = "auto", py::arg("fp16_tail") = false, py::arg("k_group") = 0, py::arg("v_group") = 0,
+           py::arg("openmp") = false)
       .def_property_readonly("isa", &PyKVStore::isa)
       .def_property_readonly("num_layers", &PyKVStore::num_layers)
       .def_property_readonly("num_kv_heads", &PyKVStore::num_kv_heads)
@@ -319,6 +322,7 @@ PYBIND11_MODULE(_kernels, m) {
       .def_property_readonly("k_group", &PyKVStore::k_group)
       .def_property_readonly("v_group", &PyKVStore::v_group)
       .def_property_readonly("num_threads", &PyKVStore::num_threads)
+      .def_property_readonly("openmp", &PyKVStore::openmp)
       .def_property_readonly("kv_format", &PyKVStore::kv_format)
       .def("create", &PyKVStore::create)
       .def("free", &PyKVStore::free)

@@ -147,8 +147,8 @@ Isa best_isa(const Layout& L) {
 }
 
 KVStore::KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity_bytes, int block_size, bool int4,
-                 int num_threads, Isa isa, bool fp16_tail, int k_group, int v_group)
-    : num_layers_(num_layers), isa_(isa), capacity_bytes_(capacity_bytes) {
+                 int num_threads, Isa isa, bool fp16_tail, int k_group, int v_group, bool openmp)
+    : num_layers_(num_layers), isa_(isa), capacity_bytes_(capacity_bytes), openmp_(openmp) {
   if (num_layers < 1 || num_kv_heads < 1 || head_dim < 1 || block_size < 1)
     throw ValueErr("num_layers, num_kv_heads, head_dim and block_size must be >= 1");
   if (head_dim > 4096 || block_size > 4096 || num_kv_heads > 4096)
@@ -217,7 +217,7 @@ void KVStore::set_threads(int num_threads) {
   check_open();
   const int n = num_threads == 0 ? ThreadPool::default_threads() : num_threads;
   pool_.reset();
-  pool_ = std::make_unique<ThreadPool>(n);
+  pool_ = std::make_unique<ThreadPool>(n, openmp_);
   scratch_.assign(n, {});
 }
 

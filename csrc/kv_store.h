@@ -43,8 +43,9 @@ class KVStore {
   // fp16, in a staging area of kTailShare of the capacity, and attention reads it from there
   // (best effort: when the area is full, a new block's tokens are read as int4 only).
   // k_group, v_group: int4 channels per scale and zero of keys / values (valid_group), 0: the default.
+  // openmp: attention runs on the process's OpenMP team instead of a pool of its own (ThreadPool).
   KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity_bytes, int block_size, bool int4,
-          int num_threads, Isa isa, bool fp16_tail = false, int k_group = 0, int v_group = 0);
+          int num_threads, Isa isa, bool fp16_tail = false, int k_group = 0, int v_group = 0, bool openmp = false);
   ~KVStore();
   KVStore(const KVStore&) = delete;
   KVStore& operator=(const KVStore&) = delete;
@@ -67,6 +68,7 @@ class KVStore {
   Isa isa() const { return isa_; }
   int num_layers() const { return num_layers_; }
   int num_threads() const { return pool_ ? pool_->size() : 0; }
+  bool openmp() const { return openmp_; }
 
  private:
   struct Seq {
@@ -106,6 +108,7 @@ class KVStore {
   std::vector<int32_t> tail_free_;
   std::unordered_map<int64_t, Seq> seqs_;
   std::unique_ptr<ThreadPool> pool_;
+  bool openmp_ = false;
   std::vector<std::vector<float>> scratch_;
   std::mutex compute_mu_;  // taken before mu_ when both are needed
   std::mutex mu_;

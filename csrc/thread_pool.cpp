@@ -3,6 +3,8 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <omp.h>
+
 #include <chrono>
 
 namespace fd {
@@ -16,7 +18,8 @@ inline void cpu_relax() {
 constexpr auto kSpin = std::chrono::microseconds(20);  // the S-Part shares these cores: spin little
 }  // namespace
 
-ThreadPool::ThreadPool(int num_threads) {
+ThreadPool::ThreadPool(int num_threads, bool openmp) : openmp_(openmp), openmp_threads_(num_threads) {
+  if (openmp) return;
   for (int t = 1; t < num_threads; ++t) threads_.emplace_back([this, t] { worker(t); });
 }
 
@@ -58,6 +61,11 @@ void ThreadPool::keep_off(int cpu) {
 }
 
 void ThreadPool::run(const std::function<void(int)>& fn) {
+  if (openmp_ && openmp_threads_ > 1) {
+#pragma omp parallel num_threads(openmp_threads_)
+    fn(omp_get_thread_num());
+    return;
+  }
   if (threads_.empty()) {
     fn(0);
     return;

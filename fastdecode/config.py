@@ -15,7 +15,7 @@ DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
 ATTENTION_BACKENDS = ("local", "remote", "torch")
 SCHEDULERS = ("fcfs", "sls")
 KV_FORMATS = ("fp16", "int4")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 INT4_GROUPS = (0, 16, 32, 64, 128)
 
 
@@ -23,7 +23,7 @@ INT4_GROUPS = (0, 16, 32, 64, 128)
 class EngineConfig:
     # model
     model: str = str(DEFAULT_MODEL_DIR)
-    dtype: str = "float32"
+    dtype: str = "auto"                   # "auto" = bfloat16 where the device computes it natively, else float32
     device: str = "auto"                  # "auto" = cuda when present, else cpu
     max_model_len: int = 0                # 0 = the checkpoint's max_position_embeddings
 
@@ -89,6 +89,18 @@ class EngineConfig:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    @property
+    def model_dtype(self) -> str:
+        """The S-Part's dtype: `dtype`, with "auto" resolved for `torch_device` (as vLLM's
+        dtype=auto: bf16 on a CPU with AVX512-BF16 or AMX, or a GPU that has it)."""
+        if self.dtype != "auto":
+            return self.dtype
+        if self.torch_device == "cpu":
+            return "bfloat16" if cpu_has_native_bf16() else "float32"
+        import torch
+
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
     def replace(self, **changes) -> "EngineConfig":
         return replace(self, **changes)
 
@@ -132,6 +144,16 @@ def _coerce(type_name: str, raw, key: str):
     except ValueError:
         raise ValueError(f"EngineConfig: {key}={raw!r} is not a valid {type_name}") from None
     return raw
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 (Zen 4, Cooper Lake and later) or AMX-BF16 (Sapphire Rapids and later)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

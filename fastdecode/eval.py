@@ -25,7 +25,6 @@ import torch
 
 from fastdecode.attention import KVSpec, create_backend
 from fastdecode.config import REPO_ROOT, EngineConfig
-from fastdecode.engine.engine import share_cores
 from fastdecode.engine.model_runner import ModelRunner
 from fastdecode.model.loader import load_model
 
@@ -45,23 +44,18 @@ def default_text() -> tuple[str, str]:
 def perplexity(config: EngineConfig, text: str, prefix: int = PREFIX, chunks: int = CHUNKS, loaded=None,
                context: int = CONTEXT, make_backend=None) -> dict:
     """make_backend(spec) -> AttentionBackend replaces config's backend (bench/bench_int4_grouping.py)."""
-    threads = torch.get_num_threads()
-    try:
-        return _perplexity(share_cores(config, config.torch_device), text, prefix, chunks, loaded, context,
-                           make_backend)
-    finally:
-        torch.set_num_threads(threads)      # share_cores changed it for this run only
+    return _perplexity(config, text, prefix, chunks, loaded, context, make_backend)
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed -log p(target) over the rows, a 0-d tensor on the logits' device.
     logits [B, V] on any device; targets [B] int64 (moved to the logits' device)."""
-    return -logits.log_softmax(-1).gather(1, targets.to(logits.device)[:, None]).sum()
+    return -logits.float().log_softmax(-1).gather(1, targets.to(logits.device)[:, None]).sum()
 
 
 def _perplexity(config: EngineConfig, text: str, prefix: int, chunks: int, loaded, context: int,
                 make_backend) -> dict:
-    loaded = loaded or load_model(config.model, config.dtype, config.torch_device, config.max_model_len)
+    loaded = loaded or load_model(config.model, config.model_dtype, config.torch_device, config.max_model_len)
     a = loaded.args
     ids = loaded.tokenizer(text)["input_ids"]
     length = min(context, len(ids) // chunks, loaded.max_model_len)
@@ -94,7 +88,7 @@ def _perplexity(config: EngineConfig, text: str, prefix: int, chunks: int, loade
         backend.shutdown()
     return {"perplexity": math.exp(float(nll) / count), "tokens_scored": count, "text_tokens": len(ids),
             "context": length, "chunks": chunks, "prefix": prefix,
-            "attention": config.attention, "dtype": config.dtype,
+            "attention": config.attention, "dtype": config.model_dtype,
             "kv_format": "fp32" if config.attention == "torch" else config.kv_format,   # torch keeps KV as computed
             "int4_fp16_tail": config.kv_format == "int4" and config.kv_int4_fp16_tail,
             "int4_groups": groups}                          # [key, value] channels per scale and zero

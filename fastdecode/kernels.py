@@ -133,7 +133,9 @@ def _ints(x, name: str) -> np.ndarray:
     elif isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
         raise ValueError(f"{name} must be a 1-D sequence of integers, got {type(x).__name__}")
     else:
-        a = np.array([_int(v, name) for v in x], dtype=np.int64)   # checks each, so no wrap-around
+        a = np.array(x) if len(x) else np.zeros(0, np.int64)
+        if a.dtype.kind not in "iu" or any(isinstance(v, (bool, np.bool_)) for v in x):
+            a = np.array([_int(v, name) for v in x], dtype=np.int64)   # checks each: the precise error
     if a.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
     if a.size and a.dtype.kind not in "iu":
@@ -153,7 +155,7 @@ class KVStore:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity_bytes: int,
                  block_size: int = 16, kv_format: str = "fp16", num_threads: int = 0, isa: str = "auto",
-                 fp16_tail: bool = True, k_group: int = 0, v_group: int = 0) -> None:
+                 fp16_tail: bool = True, k_group: int = 0, v_group: int = 0, openmp: bool = False) -> None:
         if kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
         if isa not in ISAS:
@@ -165,7 +167,7 @@ class KVStore:
                 raise ValueError(f"{name} must be an int (16, 32, 64, 128 or 0 for the default), got {group!r}")
         self._s = _kernels.KVStore(int(num_layers), int(num_kv_heads), int(head_dim), int(capacity_bytes),
                                    int(block_size), kv_format, int(num_threads), isa, bool(fp16_tail),
-                                   int(k_group), int(v_group))
+                                   int(k_group), int(v_group), bool(openmp))
         self.num_layers = int(num_layers)
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
@@ -180,6 +182,11 @@ class KVStore:
     @property
     def num_threads(self) -> int:
         return self._s.num_threads
+
+    @property
+    def openmp(self) -> bool:
+        """True: attention runs on the process's OpenMP team (torch's), not on a pool of its own."""
+        return self._s.openmp
 
     @property
     def block_bytes(self) -> int:

@@ -5,8 +5,9 @@
                                      [--host 127.0.0.1] [--param KEY=VALUE ...] [--timeout S]
     python -m fastdecode.serve stop --run-dir DIR
 
-`start` launches N local R-workers (rworker.fleet.LocalFleet; --rworkers 0 = the in-process
-attention backend, --rworkers-at HOST:PORT,... = R-workers that already run elsewhere), writes
+`start` runs the R-Part in-process by default (the local attention backend: the same kernel, on
+the S-Part's cores); --rworkers N launches N local R-workers (rworker.fleet.LocalFleet) and
+--rworkers-at HOST:PORT,... uses R-workers that already run elsewhere. It writes
 DIR/model_repository (the repository's config.pbtxt with the model parameters filled in, the
 model code linked, not copied), starts tritonserver in the background (log and pid in DIR),
 waits for /v2/health/ready, streams one completion and prints how to call the server.
@@ -390,10 +391,16 @@ def cmd_start(args) -> int:
     print(f"\nready. one streamed completion from model {DEFAULT_MODEL_NAME!r}:", file=sys.stderr)
     print(prompt, end="", flush=True)
     try:
-        client.stream_completion(prompt, url=server.grpc_url,
-                                 sampling={"max_tokens": 32, "temperature": 0.0}, out=sys.stdout)
-    except Exception as e:  # the server runs; say why the demo failed and keep it up
-        print(f"\n(completion failed: {e})", file=sys.stderr)
+        text = client.stream_completion(prompt, url=server.grpc_url,
+                                        sampling={"max_tokens": 32, "temperature": 0.0}, out=sys.stdout)
+    except Exception as e:  # noqa: BLE001 -- any failure of the first completion fails the command
+        text, reason = "", f"{type(e).__name__}: {e}"
+    else:
+        reason = "" if text else "the completion streamed no text"
+    if reason:
+        print(f"\nfastdecode.serve: the server started but its first completion failed ({reason}); it keeps "
+              f"running for a look at {server.log_path}; `make stop` ends it", file=sys.stderr)
+        return 1
     print(f"""
 
 tritonserver runs on {server.host}: HTTP {server.http_port}, gRPC {server.grpc_port}, metrics {server.metrics_port}
@@ -445,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("start")
     s.add_argument("--model", default="models/smollm2-135m-instruct", help="HF model directory")
-    s.add_argument("--rworkers", type=int, default=2, help="local R-workers; 0 = in-process attention")
+    s.add_argument("--rworkers", type=int, default=0, help="local R-workers; 0 = in-process attention (default)")
     s.add_argument("--rworkers-at", default="", help="HOST:PORT,... of R-workers already running elsewhere")
     s.add_argument("--kv-capacity", default="1G", help="KV pool of each local R-worker")
     s.add_argument("--run-dir", required=True)

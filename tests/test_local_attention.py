@@ -108,8 +108,10 @@ def test_errors_map_to_base_exceptions():
 
 
 def test_decode_runs_off_the_callers_thread_without_the_gil():
+    """With the S-Part on a GPU (here: a config that says so), the kernel overlaps with it."""
     spec = KVSpec(num_layers=1, num_heads=32, num_kv_heads=8, head_dim=128)
-    local, _ = backends(capacity=256 << 20, spec=spec)
+    local = LocalAttention(spec, EngineConfig(kv_capacity_bytes=256 << 20, kernel_threads=2, device="cuda"))
+    assert local.overlaps and not local.store.openmp
     ids = list(range(16))
     local.open(ids)
     k = torch.randn(16 * 1024, 8, 128, dtype=torch.float16)
@@ -126,6 +128,31 @@ def test_decode_runs_off_the_callers_thread_without_the_gil():
     assert fut.result().shape == (16, 32, 128)
     assert threading.current_thread() is threading.main_thread()
     assert submit_s < total_s / 2 and spins > 100, (submit_s, total_s, spins)
+    local.shutdown()
+
+
+def test_decode_runs_inline_on_torchs_threads_with_a_cpu_s_part():
+    """With the S-Part on the CPU the kernel would only take its cores: the call runs in the
+    caller's thread, on the OpenMP team torch's ops use (one libgomp in the process), and the
+    engine gives it the whole batch at once (overlaps False)."""
+    local = LocalAttention(SPEC, EngineConfig(kv_capacity_bytes=8 << 20))
+    assert not local.overlaps and local.store.openmp and local.store.num_threads == torch.get_num_threads()
+    ids = list(range(4))
+    local.open(ids)
+    q, kv = torch.randn(4, SPEC.num_heads, SPEC.head_dim), torch.randn(4, SPEC.num_kv_heads, SPEC.head_dim)
+    caller = threading.get_ident()
+    seen = []
+    fut = local.submit_decode(0, ids, q, kv, kv)
+    fut.add_done_callback(lambda _f: seen.append(threading.get_ident()))   # runs at once: already done
+    assert fut.done() and seen == [caller] and fut.result().shape == (4, SPEC.num_heads, SPEC.head_dim)
+    bad = kv.clone()
+    bad[0, 0, 0] = float("nan")
+    fut = local.submit_decode(0, ids, q, bad, kv)
+    assert fut.done()                             # the kernel's refusal arrives through the future
+    with pytest.raises(ValueError):
+        fut.result()
+    gomp = {line.split()[-1] for line in open("/proc/self/maps") if line.rstrip().endswith("/libgomp.so.1")}
+    assert len(gomp) == 1, gomp                   # torch and the kernel share one OpenMP runtime
     local.shutdown()
 
 

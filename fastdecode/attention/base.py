@@ -8,7 +8,7 @@ the sequences it has opened and passes the same test suite
 - remote: the R-worker fleet over gRPC (fastdecode.attention.remote)
 - torch:  a plain-torch reference, slow, for tests (fastdecode.attention.torch_ref)
 
-Tensors crossing this seam are CPU torch tensors, contiguous. Inputs may be
+Tensors crossing this seam are CPU torch tensors (any strides). Inputs may be
 float32, bfloat16 or float16; outputs are float32. Shapes:
     q: [B, num_heads, head_dim]      k, v: [B, num_kv_heads, head_dim]
     prefill k, v: [sum(lens), num_kv_heads, head_dim], sequences back to back
@@ -65,6 +65,11 @@ class SequencesLost(AttentionError):
 
 
 class AttentionBackend(ABC):
+    # True when submit_decode works beside the caller (another thread, process or machine) on
+    # resources the S-Part does not use: then the engine splits a step into mini-batches that
+    # overlap with it. False when the work runs on the S-Part's own cores: overlap gains nothing.
+    overlaps = True
+
     def __init__(self, spec: KVSpec) -> None:
         self.spec = spec
 

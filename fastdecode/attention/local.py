@@ -1,9 +1,12 @@
 """In-process R-Part: the C++ KV store and kernel (fastdecode.kernels) behind
 the AttentionBackend interface.
 
-submit_decode hands the kernel call to one worker thread and returns at once;
-the kernel releases the GIL, so the engine runs the S-Part of the other
-mini-batch while this one attends.
+With the S-Part on a GPU, submit_decode hands the kernel call to one worker
+thread and returns at once; the kernel releases the GIL, so the engine runs
+the S-Part of the other mini-batch while this one attends. With the S-Part on
+the CPU the two would only take cores from each other: the call runs in the
+caller's thread between the S-Part's ops, on torch's own OpenMP threads
+(`overlaps` False; see csrc/thread_pool.h).
 """
 from __future__ import annotations
 
@@ -41,12 +44,14 @@ def _ints(values: Sequence[int], name: str) -> list[int]:
 class LocalAttention(AttentionBackend):
     def __init__(self, spec: KVSpec, config) -> None:
         super().__init__(spec)
+        self.overlaps = config.torch_device != "cpu"
         self.store = KVStore(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.kv_capacity_bytes,
                              block_size=config.kv_block_size, kv_format=config.kv_format,
-                             num_threads=config.kernel_threads, fp16_tail=config.kv_int4_fp16_tail,
+                             num_threads=config.kernel_threads or (0 if self.overlaps else torch.get_num_threads()),
+                             fp16_tail=config.kv_int4_fp16_tail, openmp=not self.overlaps,
                              **({"k_group": config.kv_int4_k_group, "v_group": config.kv_int4_v_group}
                                 if config.kv_format == "int4" else {}))
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdecode-rpart")
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdecode-rpart") if self.overlaps else None
         self._open: set[int] = set()  # checked at submit without waiting for a running kernel call
 
     def open(self, seq_ids: Sequence[int]) -> None:
@@ -69,7 +74,14 @@ class LocalAttention(AttentionBackend):
         ids = _ints(seq_ids, "seq_ids")
         q, k, v = _kernel_input(q, "q"), _kernel_input(k, "k"), _kernel_input(v, "v")
         self._check_decode(layer, ids, q, k)
-        return self._worker.submit(self._decode, layer, ids, q, k, v)
+        if self._worker is not None:
+            return self._worker.submit(self._decode, layer, ids, q, k, v)
+        future: Future[torch.Tensor] = Future()
+        try:
+            future.set_result(self._decode(layer, ids, q, k, v))
+        except Exception as e:        # delivered as an asynchronous failure would be
+            future.set_exception(e)
+        return future
 
     def _decode(self, layer: int, ids: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self.store.decode(layer, ids, q, k, v, scale=self.spec.scale))
@@ -95,8 +107,9 @@ class LocalAttention(AttentionBackend):
         return {"sequences": st["sequences"], "kv_tokens": st["kv_tokens"], "kv_bytes": st["bytes_used"],
                 "capacity_bytes": st["capacity_bytes"], "blocks_used": st["blocks_used"],
                 "blocks_total": st["blocks_total"], "kv_format": self.store.kv_format, "isa": self.store.isa,
-                "threads": self.store.num_threads}
+                "threads": self.store.num_threads, "openmp": self.store.openmp}
 
     def shutdown(self) -> None:
-        self._worker.shutdown(wait=True)
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
         self.store.close()

@@ -13,7 +13,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=EngineConfig.model, help="local HF model directory")
     p.add_argument("--attention", choices=ATTENTION_BACKENDS, default="local")
     p.add_argument("--rworkers", default="", help="comma-separated host:port of R-workers (attention=remote)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
     p.add_argument("--kv-format", choices=KV_FORMATS, default="fp16")
     p.add_argument("--device", default="auto")
     p.add_argument("--minibatches", type=int, default=2, choices=(1, 2))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -34,26 +33,11 @@ MAX_REBUILD_ATTEMPTS = 3     # re-prefills of a sequence whose KV keeps getting 
 ADMIT_RETRY_S = 0.05         # after the backend refused new KV for capacity: pause before asking again
 
 
-def share_cores(config: EngineConfig, device: str) -> EngineConfig:
-    """With the S-Part and the local R-Part kernel on the same CPU, give each half
-    the cores: they overlap (two mini-batches), and oversubscribed thread pools
-    spin against each other. kernel_threads set explicitly is left alone.
-    Sets torch's (process-wide) thread count; Engine.stop() restores it."""
-    if device != "cpu" or config.attention != "local" or config.kernel_threads:
-        return config
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    kernel = max(1, cores // 2)
-    torch.set_num_threads(max(1, cores - kernel))
-    return config.replace(kernel_threads=kernel)
-
-
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.device = config.torch_device
-        self._torch_threads = torch.get_num_threads()
-        config = share_cores(config, self.device)
         self.config = config
-        loaded = load_model(config.model, config.dtype, self.device, config.max_model_len)
+        loaded = load_model(config.model, config.model_dtype, self.device, config.max_model_len)
         self.model, self.tokenizer, self.args = loaded.model, loaded.tokenizer, loaded.args
         self.max_model_len = loaded.max_model_len
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
@@ -426,7 +410,6 @@ class Engine:
             for s in seqs:
                 self._finish(s, "cancelled")
             self.backend.shutdown()
-            torch.set_num_threads(self._torch_threads)
             if self._trace_file is not None:
                 self._trace_file.close()
                 self._trace_file = None

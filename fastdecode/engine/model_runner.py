@@ -1,8 +1,10 @@
 """Runs the S-Part for a batch and hands attention to the backend.
 
-Decode splits the batch into mini-batches that ping-pong per layer (PAPER.md,
+Decode splits the batch into mini-batches that ping-pong per layer (the paper's
 "Pipeline"): while the backend computes the attention of mini-batch A at layer
-i, the S-Part finishes layer i-1 of B and starts layer i of B, and so on.
+i, the S-Part finishes layer i-1 of B and starts layer i of B, and so on. A
+backend that computes on the S-Part's own cores (`overlaps` False) gets the
+whole batch at once: there is nothing to overlap.
 
     layer i:  [post(i-1) B | pre(i) B] submit B   [post(i) A | pre(i+1) A] submit A ...
     backend:            attn(i) A                           attn(i) B
@@ -44,14 +46,14 @@ class MiniBatch:
     seq_ids: list[int]
     rows: torch.Tensor          # row of each sequence in the step's batch
     h: torch.Tensor
-    positions: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]     # cos, sin rows of its positions
     future: Future | None = None
     submitted: float = 0.0
 
 
 @dataclass
 class DecodeResult:
-    logits: torch.Tensor        # [len(rows), vocab] float32
+    logits: torch.Tensor        # [len(rows), vocab] in the model's dtype
     rows: list[int]             # batch rows that got logits
     lost: list[int]             # seq ids whose KV was lost
     out_of_kv: list[int]        # seq ids that could not grow their KV
@@ -73,9 +75,11 @@ class ModelRunner:
         tokens = torch.tensor(last_tokens, device=self.device)
         pos = torch.tensor(positions, device=self.device)
         h = self.model.embed(tokens)
-        parts = max(1, min(self.num_minibatches, n // self.min_minibatch))
+        rope = self.model.rope_tables(pos, h.dtype)
+        parts = max(1, min(self.num_minibatches if self.backend.overlaps else 1, n // self.min_minibatch))
         bounds = [n * j // parts for j in range(parts + 1)]
-        mbs = [MiniBatch(seq_ids[a:b], torch.arange(a, b), h[a:b], pos[a:b]) for a, b in zip(bounds, bounds[1:])]
+        mbs = [MiniBatch(seq_ids[a:b], torch.arange(a, b), h[a:b], (rope[0][a:b], rope[1][a:b]))
+               for a, b in zip(bounds, bounds[1:])]
         lost: list[int] = []
         out_of_kv: list[int] = []
         num_layers = self.model.args.num_layers
@@ -93,10 +97,10 @@ class ModelRunner:
         return DecodeResult(logits, rows, lost, out_of_kv)
 
     def _start_layer(self, layer: int, mb: MiniBatch) -> None:
-        q, k, v = self.model.pre_attention(layer, mb.h, mb.positions)
+        q, k, v = self.model.pre_attention(layer, mb.h, mb.rope)
         t = time.perf_counter()
         try:
-            mb.future = self.backend.submit_decode(layer, mb.seq_ids, q.cpu(), k.cpu(), v.contiguous().cpu())
+            mb.future = self.backend.submit_decode(layer, mb.seq_ids, q.cpu(), k.cpu(), v.cpu())
         except Exception as e:          # a synchronous failure travels the same way as an async one
             mb.future = Future()
             mb.future.set_exception(e)
@@ -130,8 +134,9 @@ class ModelRunner:
         idx = torch.tensor(keep, dtype=torch.long)
         mb.seq_ids = [mb.seq_ids[i] for i in keep]
         mb.rows = mb.rows[idx]
-        mb.h = mb.h[idx.to(mb.h.device)]
-        mb.positions = mb.positions[idx.to(mb.positions.device)]
+        idx = idx.to(mb.h.device)
+        mb.h = mb.h[idx]
+        mb.rope = (mb.rope[0][idx], mb.rope[1][idx])
 
     # -- prefill ------------------------------------------------------------------------
     def prefill(self, seq_ids: list[int], token_lists: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
@@ -143,17 +148,18 @@ class ModelRunner:
         tokens = torch.tensor([t for ts in token_lists for t in ts], device=self.device)
         pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         h = self.model.embed(tokens)
+        rope = self.model.rope_tables(pos, h.dtype)
         alive = list(range(len(seq_ids)))
         lost: list[int] = []
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
         for layer in range(self.model.args.num_layers):
-            q, k, v = self.model.pre_attention(layer, h, pos)
+            q, k, v = self.model.pre_attention(layer, h, rope)
             o = self.model.prefill_attention(q, k, v, lens)
             if alive:
                 if len(alive) == len(seq_ids):
-                    ks, vs = k.cpu(), v.contiguous().cpu()
+                    ks, vs = k.contiguous().cpu(), v.contiguous().cpu()
                 else:
                     idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in alive]).to(k.device)
                     ks, vs = k[idx].cpu(), v[idx].cpu()

@@ -107,13 +107,13 @@ def seeded_noise(n: int, generator: torch.Generator, device: torch.device | str)
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B] (int64)."""
-    tokens = logits.argmax(dim=-1)
+    """logits [B, V] (any float dtype; sampled rows are upcast to float32) -> token ids [B] (int64)."""
+    tokens = logits.max(dim=-1).indices       # argmax (first of equal maxima), twice as fast on bf16
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens
     idx = torch.tensor(rows, device=logits.device)
-    x = logits[idx] / torch.tensor([params[i].temperature for i in rows], device=logits.device)[:, None]
+    x = logits[idx].float() / torch.tensor([params[i].temperature for i in rows], device=logits.device)[:, None]
     if any(params[i].top_k > 0 or params[i].top_p < 1 for i in rows):
         top_k = torch.tensor([max(params[i].top_k, 0) for i in rows], device=logits.device)
         top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device, dtype=torch.float32)

@@ -4,7 +4,8 @@ Everything with weights lives here; attention does not. Each layer is cut in
 two around attention so the engine can hand attention to a backend (and run
 another mini-batch meanwhile):
 
-    q, k, v = model.pre_attention(i, h, positions)   # norm -> fused qkv -> rope
+    rope = model.rope_tables(positions, h.dtype)     # once a step, for every layer
+    q, k, v = model.pre_attention(i, h, rope)        # norm -> fused qkv -> rope
     o = <attention backend or prefill SDPA>(q, k, v)
     h = model.post_attention(i, h, o)                 # o proj + residual, norm -> MLP + residual
 
@@ -12,13 +13,14 @@ Tensors are token-major: h [N, hidden], q [N, H, D], k/v [N, Hkv, D], o [N, H, D
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastdecode.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from fastdecode.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -89,16 +91,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = SwiGLU(a.hidden_size, a.intermediate_size, a.mlp_bias)
 
-    def pre_attention(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding):
-        n = h.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(h))
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        return q, k, v
+    def pre_attention(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        n, d = h.shape[0], self.head_dim
+        qkv = self.qkv_proj(self.input_layernorm(h)).view(n, self.num_heads + 2 * self.num_kv_heads, d)
+        qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], *rope)     # q and k rotated together
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return q, k, qkv[:, self.num_heads + self.num_kv_heads:]
 
     def post_attention(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         h = h + self.o_proj(o.reshape(h.shape[0], -1).to(h.dtype))
@@ -120,32 +118,42 @@ class LlamaModel(nn.Module):
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(token_ids)
 
-    def pre_attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor):
-        return self.layers[layer].pre_attention(h, positions, self.rope)
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope.tables(positions, dtype)
+
+    def pre_attention(self, layer: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """rope = rope_tables(positions, h.dtype) -> q [N, H, D], k, v [N, Hkv, D] (views of one buffer)."""
+        return self.layers[layer].pre_attention(h, rope)
 
     def post_attention(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         return self.layers[layer].post_attention(h, o)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head, float32 logits [N, vocab]."""
-        return self.lm_head(self.norm(h)).float()
+        """Final norm + LM head: logits [N, vocab] in the model's dtype (the sampler upcasts
+        only the rows it samples from; a greedy argmax needs no float32 copy)."""
+        return self.lm_head(self.norm(h))
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
         """Causal attention of each prompt over itself (sequences back to back) -> o [N, H, D]."""
         out = torch.empty_like(q)
         start = 0
-        for n in lens:
-            s = slice(start, start + n)
-            o = F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1),
+        for n, run in itertools.groupby(lens):      # a run of equal lengths is one batched call
+            g = len(list(run))
+            s = slice(start, start + g * n)
+
+            def heads_first(x: torch.Tensor) -> torch.Tensor:   # [g*n, heads, D] -> [g, heads, n, D]
+                return x[s].view(g, n, x.shape[1], x.shape[2]).transpose(1, 2)
+            o = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v),
                                                is_causal=True, scale=self.scale, enable_gqa=True)
-            out[s] = o.transpose(0, 1)
-            start += n
+            out[s] = o.transpose(1, 2).reshape(g * n, q.shape[1], q.shape[2])
+            start += g * n
         return out
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, lens: list[int]) -> torch.Tensor:
         """Whole-prompt forward without any KV-cache (tests, perplexity): logits [N, vocab]."""
         h = self.embed(token_ids)
+        rope = self.rope_tables(positions, h.dtype)
         for i in range(self.args.num_layers):
-            q, k, v = self.pre_attention(i, h, positions)
+            q, k, v = self.pre_attention(i, h, rope)
             h = self.post_attention(i, h, self.prefill_attention(q, k, v, lens))
-        return self.logits(h)
+        return self.logits(h).float()

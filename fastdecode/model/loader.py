@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from fastdecode.model.llama import LlamaModel, ModelArgs, check_context
+from fastdecode.model.packed import pack_linears
 
 # checkpoint name part -> (our fused parameter, shard index). Shards are
 # concatenated along dim 0 in shard order.
@@ -108,4 +109,5 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", ma
     model.rope.build("cpu")
     model = model.to(device).eval()
     model.requires_grad_(False)
+    pack_linears(model)
     return LoadedModel(model, tokenizer, hf_config, args, max_len, eos_ids(path, hf_config, tokenizer))
