@@ -1,6 +1,6 @@
 """Tokens/s as a client sees them: fastdecode through Triton against the systems people run instead.
 
-    make bench-peers                  # every peer, batches 1..512 at 128 tokens, 1..128 at 1024
+    make bench-peers                  # every peer, batches 1..512 at 128 tokens, 1..32 at 1024
     python bench/bench_peers.py --peers triton,hf --batches 32 --seq-lens 128 --out /tmp/p.json
 
 One workload for every peer, run one after the other on this machine (never at once): B
@@ -16,8 +16,10 @@ output. Every streamed output is timestamped: TTFT per request, and the gap betw
   hf      transformers generate() at its faster dtype here (probed), all cores, left padding
   vllm    vLLM's CPU build at its defaults in its own venv (bench/peers_vllm.py, `make vllm-venv`)
 
-A peer whose run takes longer than --run-timeout-s, or fails, stops there: larger batches are
-not tried for it, and the JSON says why. Writes bench/results/peers.json (ratios, CPU model,
+The peers stay up, idle, for the whole run, and each (seq_len, batch) runs on every peer in turn:
+this VM's speed drifts by up to 1.5x over minutes, and peers compared at one batch are then
+measured minutes apart at most. A peer whose run takes longer than --run-timeout-s, or fails,
+stops growing its batch at that length, and the JSON says why. Writes bench/results/peers.json (ratios, CPU model,
 memory bandwidth, commit) and peers.png.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,6 +43,7 @@ sys.path.insert(0, str(REPO))
 
 TOPICS = ["the sea", "a mountain", "bread", "a robot", "rain", "a library", "trains", "the moon"]
 VLLM_PYTHON = REPO / "build" / "vllm-venv" / "bin" / "python"
+COLORS = {"triton": "tab:blue", "engine": "tab:cyan", "hf": "tab:green", "vllm": "tab:red"}
 
 
 def prompt_text(i: int) -> str:
@@ -91,7 +95,7 @@ def workload(tokenizer, batch: int, seq_len: int) -> list[tuple[str, int]]:
     return [(t, seq_len - len(tokenizer(t)["input_ids"])) for t in texts]
 
 
-# ---- peers: each runs the batches in order and stops at the first failure or timeout
+# ---- one run of one peer
 
 def run_triton(server, work: list[tuple[str, int]], seq_len: int) -> dict:
     import tritonclient.grpc.aio as aioclient
@@ -189,36 +193,17 @@ def hf_model(model_dir: str, dtype: str):
     return model, tok
 
 
-def sweep(name: str, plan: list[tuple[int, int]], run_one, timeout_s: float) -> list[dict]:
-    """Run (seq_len, batch) in order; a seq_len stops at its first error or over-long run."""
-    rows, stopped = [], set()
-    for seq_len, batch in plan:
-        if seq_len in stopped:
-            continue
-        t = time.perf_counter()
-        try:
-            row = run_one(seq_len, batch)
-        except Exception as e:  # noqa: BLE001 -- recorded: why this peer stopped growing
-            row = {"batch": batch, "seq_len": seq_len, "error": f"{type(e).__name__}: {e}"}
-        took = time.perf_counter() - t
-        if "error" not in row and took > timeout_s:
-            row["stopped"] = f"this run took {took:.0f} s > --run-timeout-s {timeout_s:.0f}: no larger batch"
-        if "error" in row or "stopped" in row:
-            stopped.add(seq_len)
-        rows.append(row)
-        print(f"{name:6s} L{seq_len:<5d} B{batch:<5d} " + (row.get("error") or
-              f"{row['tokens_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_s']:.3f} s  ITL p50 "
-              f"{row['itl_p50_s'] * 1e3:.1f} ms p99 {row['itl_p99_s'] * 1e3:.1f} ms"), flush=True)
-    return rows
-
-
 # ---- the machine
 
 def cpu_model() -> str:
+    """The model name, with family/model/stepping (a VM may show only "AMD EPYC")."""
+    info = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    name = info.get("model name") or platform.processor() or platform.machine()
+    return f"{name} (family {info.get('cpu family', '?')}, model {info.get('model', '?')}, " \
+           f"stepping {info.get('stepping', '?')})"
 
 
 def cpu_flags() -> list[str]:
@@ -243,6 +228,134 @@ def commit() -> str:
         return "unknown"
 
 
+# ---- the peers: each stays up for the whole run, and runs one (seq_len, batch) at a time
+
+class TritonPeer:
+    name = "triton"
+
+    def __init__(self, params: dict, tmp: Path) -> None:
+        from fastdecode.serve import TritonServer, write_model_repository
+
+        repo = write_model_repository(tmp / "model_repository", params)
+        self.server = TritonServer(repo, tmp / "triton", exit_timeout_s=10).__enter__()
+        self.info = {"config": "make serve's defaults"}
+
+    def run(self, work, seq_len):
+        return run_triton(self.server, work, seq_len)
+
+    def close(self):
+        self.server.__exit__(None, None, None)
+
+
+class EnginePeer:
+    name = "engine"
+
+    def __init__(self, config) -> None:
+        from fastdecode.engine import Engine
+
+        self.engine = Engine(config)
+        self.engine.start()
+        self.info = {"config": "the same EngineConfig in-process", "dtype": config.model_dtype}
+
+    def run(self, work, seq_len):
+        return run_engine(self.engine, work, seq_len)
+
+    def close(self):
+        self.engine.stop()
+
+
+class HFPeer:
+    name = "hf"
+
+    def __init__(self, model_dir: str, dtype: str, probe_work) -> None:
+        import torch
+
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        probe = {}
+        if not dtype:
+            for dt in ("float32", "bfloat16"):
+                model, tok = hf_model(model_dir, dt)
+                run_hf(model, tok, probe_work[:2], 0)
+                probe[dt] = run_hf(model, tok, probe_work, 0)["tokens_per_s"]
+                del model
+            dtype = max(probe, key=probe.get)
+        self.model, self.tok = hf_model(model_dir, dtype)
+        self.info = {"dtype": dtype, "probe_b32_tokens_per_s": probe, "threads": torch.get_num_threads()}
+
+    def run(self, work, seq_len):
+        return run_hf(self.model, self.tok, work, seq_len)
+
+    def close(self):
+        del self.model
+
+
+class VLLMPeer:
+    """bench/peers_vllm.py --serve in vLLM's venv: one JSON line in per batch, one row out. Between
+    its runs its processes are stopped (SIGSTOP): idle, vLLM's workers poll their queues and would
+    take the cores from the peer being measured."""
+    name = "vllm"
+    MARK = "PEERS_VLLM "
+
+    def __init__(self, model_dir: str, timeout_s: float) -> None:
+        if not VLLM_PYTHON.exists():
+            raise RuntimeError(f"{VLLM_PYTHON} missing: run `make vllm-venv`")
+        self.proc = subprocess.Popen([str(VLLM_PYTHON), str(REPO / "bench" / "peers_vllm.py"), "--serve",
+                                      "--model", model_dir, "--timeout-s", str(int(timeout_s)),
+                                      "--threads", str(len(os.sched_getaffinity(0)))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.info = {k: v for k, v in self._reply().items() if k not in ("ready", "results")}
+        self._signal(signal.SIGSTOP)
+
+    def _signal(self, sig) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _reply(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(self.MARK):
+                return json.loads(line[len(self.MARK):])
+        raise RuntimeError(f"vLLM exited ({self.proc.wait()}) without an answer")
+
+    def run(self, work, seq_len):
+        self._signal(signal.SIGCONT)
+        try:
+            self.proc.stdin.write(json.dumps({"batch": len(work), "seq_len": seq_len}) + "\n")
+            self.proc.stdin.flush()
+            row = self._reply()
+        finally:
+            self._signal(signal.SIGSTOP)
+        if "error" in row:
+            raise RuntimeError(row["error"])
+        return row
+
+    def close(self):
+        self._signal(signal.SIGCONT)
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def timed_run(peer, work, seq_len: int, batch: int, timeout_s: float) -> dict:
+    """One run; a failure or an over-long run is recorded and ends this peer's batches at seq_len."""
+    t = time.perf_counter()
+    try:
+        row = peer.run(work, seq_len)
+    except Exception as e:  # noqa: BLE001 -- recorded: why this peer stopped growing
+        row = {"batch": batch, "seq_len": seq_len, "error": f"{type(e).__name__}: {e}"}
+    took = time.perf_counter() - t
+    if "error" not in row and took > timeout_s:
+        row["stopped"] = f"this run took {took:.0f} s > --run-timeout-s {timeout_s:.0f}: no larger batch"
+    print(f"{peer.name:6s} L{seq_len:<5d} B{batch:<5d} " + (row.get("error") or
+          f"{row['tokens_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_s']:.3f} s  ITL p50 "
+          f"{row['itl_p50_s'] * 1e3:.1f} ms p99 {row['itl_p99_s'] * 1e3:.1f} ms"), flush=True)
+    return row
+
+
 # ---- main
 
 def main(argv=None) -> int:
@@ -251,19 +364,17 @@ def main(argv=None) -> int:
     p.add_argument("--peers", default="triton,engine,hf,vllm")
     p.add_argument("--seq-lens", default="128,1024")
     p.add_argument("--batches", default="1,8,32,128,512", help="at the shortest sequence length")
-    p.add_argument("--long-batches", default="1,8,32,128", help="at the other sequence lengths")
+    p.add_argument("--long-batches", default="1,8,32", help="at the other sequence lengths")
     p.add_argument("--run-timeout-s", type=float, default=900)
     p.add_argument("--hf-dtype", default="", help="float32 | bfloat16; default: the faster in a probe")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="EngineConfig setting for triton and engine (default: none, as `make serve`)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "peers.json"))
     a = p.parse_args(argv)
-    peers = a.peers.split(",")
     seq_lens = sorted(int(s) for s in a.seq_lens.split(","))
     plan = [(seq_lens[0], int(b)) for b in a.batches.split(",")]
     plan += [(s, int(b)) for s in seq_lens[1:] for b in a.long_batches.split(",")]
 
-    import torch
     from transformers import AutoTokenizer
 
     from fastdecode.config import EngineConfig
@@ -279,89 +390,51 @@ def main(argv=None) -> int:
               "stream_read_gbps": stream_gbps(), "commit": commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "engine_config": {k: v for k, v in vars(config).items() if k != "rworker_token"},
               "workload": "B requests at once; 'Request i: write a short story about <topic>.'; greedy, "
-                          "ignore_eos, seq_len - prompt tokens new tokens each", "peers": {}}
+                          "ignore_eos, seq_len - prompt tokens new tokens each",
+              "order": "per (seq_len, batch), every peer in turn (all stay up, idle, between their runs)",
+              "peers": {}}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-
-    def save() -> None:
-        report.update(ratios(report["peers"], seq_lens[0]))
-        out.write_text(json.dumps(report, indent=1) + "\n")
 
     def work(seq_len, batch):
         return workload(tokenizer, batch, seq_len)
 
-    for peer in peers:
-        if peer == "triton":
-            from fastdecode.serve import TritonServer, write_model_repository
-
-            with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
-                repo = write_model_repository(Path(tmp) / "model_repository", params)
-                with TritonServer(repo, Path(tmp) / "triton", exit_timeout_s=10) as server:
-                    run_triton(server, work(seq_lens[0], 2), seq_lens[0])               # warm up
-                    rows = sweep(peer, plan, lambda s, b: run_triton(server, work(s, b), s), a.run_timeout_s)
-            report["peers"]["triton"] = {"config": "make serve's defaults", "rows": rows}
-        elif peer == "engine":
-            from fastdecode.engine import Engine
-
-            engine = Engine(config)
-            engine.start()
-            try:
-                run_engine(engine, work(seq_lens[0], 2), seq_lens[0])
-                rows = sweep(peer, plan, lambda s, b: run_engine(engine, work(s, b), s), a.run_timeout_s)
-            finally:
-                engine.stop()
-            report["peers"]["engine"] = {"config": "the same EngineConfig in-process", "dtype": config.dtype,
-                                         "rows": rows}
-        elif peer == "hf":
-            torch.set_num_threads(len(os.sched_getaffinity(0)))
-            probe = {}
-            if a.hf_dtype:
-                dtype = a.hf_dtype
-            else:
-                for dt in ("float32", "bfloat16"):
-                    model, tok = hf_model(model_dir, dt)
-                    run_hf(model, tok, work(seq_lens[0], 2)[:2], 24)
-                    probe[dt] = run_hf(model, tok, work(seq_lens[0], 32), 48)["tokens_per_s"]
-                    del model
-                dtype = max(probe, key=probe.get)
-            model, tok = hf_model(model_dir, dtype)
-            run_hf(model, tok, work(seq_lens[0], 2), 24)
-            rows = sweep(peer, plan, lambda s, b: run_hf(model, tok, work(s, b), s), a.run_timeout_s)
-            del model
-            report["peers"]["hf"] = {"dtype": dtype, "probe_b32_tokens_per_s": probe,
-                                     "threads": torch.get_num_threads(), "rows": rows}
-        elif peer == "vllm":
-            report["peers"]["vllm"] = run_vllm(model_dir, plan, a.run_timeout_s)
-        else:
-            raise SystemExit(f"unknown peer {peer!r}")
-        save()
+    makers = {"triton": lambda tmp: TritonPeer(params, tmp), "engine": lambda tmp: EnginePeer(config),
+              "hf": lambda tmp: HFPeer(model_dir, a.hf_dtype, work(48, 32)),
+              "vllm": lambda tmp: VLLMPeer(model_dir, a.run_timeout_s)}
+    peers = []
+    with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
+        try:
+            for name in a.peers.split(","):
+                if name not in makers:
+                    raise SystemExit(f"unknown peer {name!r}")
+                try:
+                    peer = makers[name](Path(tmp) / name)
+                    peers.append(peer)
+                    peer.run(work(seq_lens[0], 2), seq_lens[0])                      # warm up
+                except Exception as e:  # noqa: BLE001 -- recorded; the other peers still run
+                    report["peers"][name] = {"error": f"{type(e).__name__}: {e}", "rows": []}
+                    print(f"{name}: could not start: {e}", flush=True)
+                    continue
+                report["peers"][name] = {**peer.info, "rows": []}
+            live = [peer for peer in peers if "error" not in report["peers"][peer.name]]
+            stopped: set[tuple[str, int]] = set()
+            for seq_len, batch in plan:
+                for peer in live:
+                    if (peer.name, seq_len) not in stopped:
+                        row = timed_run(peer, work(seq_len, batch), seq_len, batch, a.run_timeout_s)
+                        if "error" in row or "stopped" in row:
+                            stopped.add((peer.name, seq_len))
+                        report["peers"][peer.name]["rows"].append(row)
+                report.update(ratios(report["peers"], seq_lens[0]))
+                out.write_text(json.dumps(report, indent=1) + "\n")
+        finally:
+            for peer in peers:
+                peer.close()
     plot(report, out.with_suffix(".png"), seq_lens)
-    print(json.dumps({k: v for k, v in report.items() if k.startswith(("triton_over", "openai"))}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k.startswith("triton_over")}, indent=1))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
-
-
-def run_vllm(model_dir: str, plan: list[tuple[int, int]], timeout_s: float) -> dict:
-    if not VLLM_PYTHON.exists():
-        return {"error": f"{VLLM_PYTHON} missing: run `make vllm-venv`", "rows": []}
-    rows, info = [], {}
-    for seq_len in sorted({s for s, _ in plan}):
-        batches = ",".join(str(b) for s, b in plan if s == seq_len)
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            cmd = [str(VLLM_PYTHON), str(REPO / "bench" / "peers_vllm.py"), "--model", model_dir, "--batches",
-                   batches, "--seq-len", str(seq_len), "--out", f.name, "--timeout-s", str(int(timeout_s)),
-                   "--threads", str(len(os.sched_getaffinity(0)))]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                rows.append({"seq_len": seq_len, "error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"})
-                continue
-            result = json.loads(Path(f.name).read_text())
-        info = {k: v for k, v in result.items() if k != "results"}
-        for row in result["results"]:
-            rows.append(row)
-            print(f"vllm   L{seq_len:<5d} B{row['batch']:<5d} " + (row.get("error") or
-                  f"{row['tokens_per_s']:8.1f} tok/s  ITL p50 {row['itl_p50_s'] * 1e3:.1f} ms"), flush=True)
-    return {**info, "rows": rows}
 
 
 def ratios(peers: dict, seq_len: int) -> dict:
@@ -397,10 +470,10 @@ def plot(report: dict, path: Path, seq_lens: list[int]) -> None:
             rows = [r for r in peer.get("rows", []) if r.get("seq_len") == seq_len and "error" not in r]
             if not rows:
                 continue
-            b = [r["batch"] for r in rows]
-            row_axes[0].plot(b, [r["tokens_per_s"] for r in rows], "o-", label=name)
-            row_axes[1].plot(b, [r["itl_p50_s"] * 1e3 for r in rows], "o-", label=f"{name} p50")
-            row_axes[1].plot(b, [r["itl_p99_s"] * 1e3 for r in rows], "x:", label=f"{name} p99")
+            b, color = [r["batch"] for r in rows], COLORS.get(name)
+            row_axes[0].plot(b, [r["tokens_per_s"] for r in rows], "o-", color=color, label=name)
+            row_axes[1].plot(b, [r["itl_p50_s"] * 1e3 for r in rows], "o-", color=color, label=f"{name} p50")
+            row_axes[1].plot(b, [r["itl_p99_s"] * 1e3 for r in rows], "x:", color=color, label=f"{name} p99")
         for ax, what in zip(row_axes, ("tokens/s", "inter-token latency (ms)")):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("concurrent requests")

@@ -1,7 +1,8 @@
 """Peer benchmark: vLLM (CPU build) on the shared fixed-length decode workload.
 
 Run with the python of `make vllm-venv` (build/vllm-venv), never fastdecode's venv;
-this file imports nothing from fastdecode.
+this file imports nothing from fastdecode. bench/bench_peers.py runs it with --serve: one
+engine for the whole run, one batch per line on stdin, so the peers take turns per batch.
 
 For each batch size B, B requests are submitted at once to one AsyncLLM engine
 (created once, vLLM defaults otherwise). Request i has the plain-text prompt
@@ -99,6 +100,28 @@ async def run_batch(engine, tokenizer, b, seq_len, tag):
     return row
 
 
+MARK = "PEERS_VLLM "   # prefix of the protocol lines on stdout (vLLM logs there too)
+
+
+async def serve(engine, tokenizer, args, info) -> None:
+    """--serve: say ready, then run one {"batch", "seq_len"} line from stdin at a time, answering each
+    with its row, until stdin closes. The caller runs the other peers between them."""
+    print(MARK + json.dumps({"ready": True, **info}), flush=True)
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        cmd = json.loads(line)
+        b, seq_len = int(cmd["batch"]), int(cmd["seq_len"])
+        try:
+            row = await asyncio.wait_for(run_batch(engine, tokenizer, b, seq_len, f"L{seq_len}b{b}"), args.timeout_s)
+        except Exception as e:  # noqa: BLE001 -- the caller records why
+            row = {"batch": b, "seq_len": seq_len, "error": f"{type(e).__name__}: {e}"}
+            for _ in range(600):
+                if engine.get_num_unfinished_requests() == 0:
+                    break
+                await asyncio.sleep(0.1)
+        print(MARK + json.dumps(row), flush=True)
+
+
 async def main_async(args):
     import torch
     import vllm
@@ -127,6 +150,9 @@ async def main_async(args):
         async for _ in engine.generate(warm, SamplingParams(temperature=0.0, max_tokens=8), "w"):
             pass
         result["warmup_s"] = time.perf_counter() - t
+        if args.serve:
+            await serve(engine, tokenizer, args, result)
+            return result
         for b in args.batches:
             try:
                 row = await asyncio.wait_for(
@@ -151,13 +177,16 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--batches", default="1,8,32,128,512")
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default="", help="the JSON of all batches (not with --serve)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout-s", type=float, default=None, help="per batch")
+    ap.add_argument("--serve", action="store_true", help="take batches from stdin (bench_peers.py interleaves peers)")
     args = ap.parse_args()
     args.batches = [int(x) for x in args.batches.split(",") if x]
     set_cpu_env(args.threads)
     result = asyncio.run(main_async(args))
+    if args.serve:
+        return
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")

@@ -134,8 +134,8 @@ class PyKVStore {
                             " sequences");
     int64_t total = 0;
     for (int i = 0; i < B; ++i) {
-      if (lp[i] < 0) throw py::value_error("lens must be >= 0");
-      total += lp[i];
+      if (lp[i] < 0 || lp[i] > fd::kMaxSpanTokens || __builtin_add_overflow(total, lp[i], &total))
+        throw py::value_error("lens must be in [0, " + std::to_string(fd::kMaxSpanTokens) + "] with a sum that fits");
     }
     const Input ki = float_input(k, "k", 3), vi = float_input(v, "v", 3);
     check_kv_shape(k, "k", total);

@@ -398,8 +398,9 @@ void KVStore::append(int layer, const int64_t* ids, int B, Input k, Input v) {
 void KVStore::append_span(int layer, const int64_t* ids, int B, const int64_t* lens, Input k, Input v) {
   int64_t total = lens ? 0 : B;
   for (int i = 0; lens && i < B; ++i) {
-    if (lens[i] < 0) throw ValueErr("lens must be >= 0");
-    total += lens[i];
+    // Checked: a wrapped sum would pass the capacity check and overrun the pool.
+    if (lens[i] < 0 || lens[i] > kMaxSpanTokens || __builtin_add_overflow(total, lens[i], &total))
+      throw ValueErr("lens must be in [0, " + std::to_string(kMaxSpanTokens) + "] with a sum that fits");
   }
   const size_t count = static_cast<size_t>(total) * L_.num_kv_heads * L_.head_dim;
   check_kv_values(k, count, "k");

@@ -37,6 +37,8 @@ struct StoreStats {
 Isa best_isa(const Layout& L);
 bool isa_supported(Isa isa, const Layout& L, std::string* why);
 
+constexpr int64_t kMaxSpanTokens = (int64_t{1} << 31) - 1;  // tokens of one sequence in one append_span
+
 class KVStore {
  public:
   // int4 && fp16_tail: the newest, unfinished block of every (sequence, layer) is also kept in

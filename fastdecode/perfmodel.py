@@ -279,6 +279,7 @@ def measure_s_part(model_dir: str, batches: Sequence[int] = DEFAULT_BATCHES, dev
     from fastdecode.engine.sampling import SamplingParams, sample
     from fastdecode.model.llama import LlamaModel, ModelArgs
     from fastdecode.model.loader import DTYPES
+    from fastdecode.model.packed import pack_linears
     from transformers import AutoConfig, AutoTokenizer
 
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -291,6 +292,7 @@ def measure_s_part(model_dir: str, batches: Sequence[int] = DEFAULT_BATCHES, dev
         model = LlamaModel(small, cfg, 4096).to(DTYPES[dtype]).eval()
     model.rope.build(device)
     model.requires_grad_(False)
+    pack_linears(model)                            # as load_model does: the engine's S-Part
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     class FreeAttention(AttentionBackend):        # o = 0 at once: only the S-worker's side is timed

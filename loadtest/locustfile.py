@@ -38,6 +38,7 @@ def _loopback_only(environment, **_):
 
 def _body(stream: bool) -> dict:
     return {"text_input": random.choice(PROMPTS), "stream": stream, "exclude_input_in_output": True,
+            "return_num_output_tokens": True,
             "sampling_parameters": json.dumps({"max_tokens": MAX_TOKENS, "temperature": 0.7})}
 
 
@@ -61,7 +62,7 @@ class StreamUser(HttpUser):
     def generate_stream(self):
         t0 = time.perf_counter()
         first = None
-        events_seen = 0
+        events_seen = tokens = first_tokens = 0
         with self.client.post(f"/v2/models/{MODEL}/generate_stream", json=_body(True), name="generate_stream",
                               stream=True, catch_response=True, timeout=120) as r:
             if r.status_code != 200:
@@ -75,12 +76,16 @@ class StreamUser(HttpUser):
                     r.failure(event["error"])
                     return
                 events_seen += 1
+                tokens += int(event.get("num_output_tokens", 0))
                 if first is None:
-                    first = time.perf_counter() - t0
+                    first, first_tokens = time.perf_counter() - t0, tokens
             if not events_seen:
                 r.failure("no events in the stream")
                 return
         total = time.perf_counter() - t0
-        for name, seconds in (("time_to_first_event", first), ("whole_stream", total)):
+        timings = [("time_to_first_event", first), ("whole_stream", total)]
+        if tokens > first_tokens:            # the tokens after the first event, each in this time
+            timings.append(("time_per_output_token", (total - first) / (tokens - first_tokens)))
+        for name, seconds in timings:
             self.environment.events.request.fire(request_type="SSE", name=name, response_time=seconds * 1000,
                                                  response_length=events_seen, exception=None, context={})

@@ -24,6 +24,7 @@ log = logging.getLogger("rworker")
 
 ID_BITS = 40                                 # client sequence ids: 0 <= id < 2**40
 MAX_IDS_PER_CALL = 1 << 16
+MAX_SPAN_TOKENS = (1 << 31) - 1               # tokens of one sequence in one prefill (the store counts in int)
 KV_FORMATS = ("fp16", "int4")
 MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 4096, 4096, 1024
 OK = grpc.StatusCode.OK
@@ -243,10 +244,11 @@ class RWorkerService(pb_grpc.RWorkerServicer):
         ids = self._ids(conn, m.seq_ids)
         self._check_layer(conn, m.layer)
         lens = np.asarray(m.lens, dtype=np.int64)
-        if len(lens) != len(ids) or (lens.size and lens.min() < 0):
-            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, "prefill: need one length >= 0 per sequence")
+        if len(lens) != len(ids) or (lens.size and (lens.min() < 0 or lens.max() > MAX_SPAN_TOKENS)):
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"prefill: need one length in [0, {MAX_SPAN_TOKENS}] per sequence")
         k, v = tensor_to_numpy(m.k, "k"), tensor_to_numpy(m.v, "v")
-        total = int(lens.sum())
+        total = sum(int(n) for n in lens)       # Python ints: a numpy sum of int64 lengths could wrap
         self._check_kv(conn, "k", k, total)
         self._check_kv(conn, "v", v, total)
         with self.lock:

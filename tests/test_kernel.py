@@ -600,6 +600,22 @@ def test_garbage_ids_are_refused_not_wrapped(ids):
         store.append_span(0, [1], [True], kv, kv)
 
 
+@pytest.mark.parametrize("lens", [[1 << 62] * 3 + [(1 << 62) + 1], [(1 << 63) - 1] * 2 + [3], [1 << 31, 0, 0, 0]],
+                         ids=["sum wraps to 1", "sum wraps to 1 again", "one span too long"])
+def test_lengths_whose_sum_wraps_are_refused(lens):
+    """int64 lengths whose sum wraps around to the rows sent passed the size and capacity checks and
+    overran the pool (a segfault in the R-worker); the checks now add with overflow detection."""
+    store = make_store(2, 64, layers=1)
+    store.create([1, 2, 3, 4])
+    kv = np.zeros((1, 2, 64), np.float32)
+    before = store.stats()
+    with pytest.raises(ValueError, match="lens"):
+        store.append_span(0, [1, 2, 3, 4], lens, kv, kv)
+    assert store.stats() == before
+    store.append_span(0, [1, 2, 3, 4], [1, 0, 0, 0], kv, kv)        # the store still works
+    assert store.length(1) == 1
+
+
 @pytest.mark.parametrize("bad", [2**63, True, 1.0, "1", None])
 def test_garbage_scalar_id_or_layer_refused(bad):
     store = make_store(2, 64, layers=2)

@@ -159,6 +159,12 @@ def test_bad_input_gets_status_and_others_keep_their_cache(worker):
     assert code(r) == C.NOT_FOUND and "7" in r.message                                 # unknown sequence
     assert code(bad.call(prefill=pb.Prefill(layer=0, seq_ids=[1], lens=[3], k=tensor(kv), v=tensor(kv)))) \
         == C.INVALID_ARGUMENT                                                          # lens vs rows
+    # Lengths whose int64 sum wraps to the rows sent (2**64 + 1 -> 1): refused, not a segfault.
+    assert bad.call(open=pb.Open(seq_ids=[3, 4])).code == 0
+    r = bad.call(prefill=pb.Prefill(layer=0, seq_ids=[1, 2, 3, 4], lens=[1 << 62] * 3 + [(1 << 62) + 1],
+                                    k=tensor(kv), v=tensor(kv)))
+    assert code(r) == C.INVALID_ARGUMENT and "length" in r.message, r.message
+    assert bad.call(close=pb.Close(seq_ids=[3, 4])).code == 0
     # Over capacity: 2 MiB hold ~8k tokens of this shape; nothing of the failed call is kept.
     big = np.zeros((20000, HKV, D), np.float16)
     kept = stats(worker)

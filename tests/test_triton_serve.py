@@ -106,3 +106,47 @@ def test_serve_start_and_stop_like_make_serve(tiny_model_dir, tmp_path):
         time.sleep(0.1)
     assert not serve._alive(pid) and serve._group_members(pid) == []      # no stub left behind
     assert not serve.http_ok(f"http://127.0.0.1:{ports[0]}/v2/health/ready")
+
+
+def _serve_start(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    ports = [str(serve.free_port()) for _ in range(3)]
+    return subprocess.run([sys.executable, "-m", "fastdecode.serve", "start", "--run-dir", str(run_dir),
+                           "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2], *extra],
+                          capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+
+
+def _serve_stop(run_dir: Path) -> None:
+    stop = subprocess.run([sys.executable, "-m", "fastdecode.serve", "stop", "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert stop.returncode == 0 and "stopped tritonserver" in stop.stderr, stop.stderr
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not serve.tritonserver_binary().exists(), reason="tritonserver binary missing")
+def test_make_serve_streams_its_first_completion(tmp_path):
+    """What `make serve` runs, at its defaults (the default model, the R-Part in-process): it exits 0
+    only after the first completion streamed text, and prints that text."""
+    run_dir = tmp_path / "run"
+    start = _serve_start(run_dir)
+    try:
+        assert start.returncode == 0, start.stderr
+        completion = start.stdout.split("The sea is", 1)[1].split("tritonserver runs on", 1)[0]
+        assert len(completion.strip()) >= 10, start.stdout
+        params = json.loads((run_dir / "serve.json").read_text())["parameters"]
+        assert "rworkers" not in params and "attention" not in params         # embedded by default
+    finally:
+        _serve_stop(run_dir)
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not serve.tritonserver_binary().exists(), reason="tritonserver binary missing")
+def test_make_serve_fails_when_its_first_completion_fails(tiny_model_dir, tmp_path):
+    fault = tmp_path / "fault"
+    fault.write_text("")                       # every engine step fails while this file exists
+    run_dir = tmp_path / "run"
+    start = _serve_start(run_dir, "--model", tiny_model_dir, "--param", f"fault_step_error_file={fault}")
+    try:
+        assert start.returncode == 1, (start.stdout, start.stderr)
+        assert "first completion failed" in start.stderr and "injected engine fault" in start.stderr, start.stderr
+    finally:
+        _serve_stop(run_dir)
