@@ -1,6 +1,6 @@
-"""Load test of Triton's generate endpoints (`make loadtest`: 32 users, 60 s, 127.0.0.1:8000).
+"""Load test of Triton's generate endpoints (`make loadtest`: 64 users, 120 s, 127.0.0.1:8000).
 
-    python -m locust -f loadtest/locustfile.py --headless -u 32 -r 8 -t 60s --host http://127.0.0.1:8000
+    python -m locust -f loadtest/locustfile.py --headless -u 64 -r 16 -t 120s --host http://127.0.0.1:8000
 
 Two users: GenerateUser posts /v2/models/fastdecode/generate (one JSON response);
 StreamUser posts .../generate_stream with "stream": true and reads the server-sent events,
