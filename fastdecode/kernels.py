@@ -133,6 +133,7 @@ def _ints(x, name: str) -> np.ndarray:
     elif isinstance(x, (str, bytes)) or not hasattr(x, "__iter__"):
         raise ValueError(f"{name} must be a 1-D sequence of integers, got {type(x).__name__}")
     else:
+        x = x if isinstance(x, (list, tuple)) else list(x)
         a = np.array(x) if len(x) else np.zeros(0, np.int64)
         if a.dtype.kind not in "iu" or any(isinstance(v, (bool, np.bool_)) for v in x):
             a = np.array([_int(v, name) for v in x], dtype=np.int64)   # checks each: the precise error
