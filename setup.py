@@ -1,4 +1,5 @@
-"""Builds the R-Part kernel (csrc/ -> fastdecode._kernels) and the R-worker gRPC stubs."""
+"""Builds the R-Part kernel (csrc/ -> fastdecode._kernels), the S-Part's fused CPU ops
+(csrc/spart/ -> fastdecode._spart_ops, against torch) and the R-worker gRPC stubs."""
 import glob
 import os
 import subprocess
@@ -19,12 +20,6 @@ def generate_protos() -> None:
                            *[os.path.relpath(p, HERE) for p in protos]], cwd=HERE)
 
 
-class BuildAll(build_ext):
-    def run(self):
-        generate_protos()
-        super().run()
-
-
 kernels = Pybind11Extension(
     "fastdecode._kernels",
     sorted(glob.glob("csrc/*.cpp")),
@@ -38,4 +33,39 @@ kernels = Pybind11Extension(
     extra_link_args=["-pthread", "-fopenmp"],
 )
 
-setup(ext_modules=[kernels] if glob.glob("csrc/*.cpp") else [], cmdclass={"build_ext": BuildAll})
+
+
+def spart_ops():
+    """The S-Part's fused bf16 ops, built against the torch in this environment. None where torch
+    is absent (an R-worker host needs only the kernel); the model refuses to run bf16 on the CPU
+    without them (fastdecode/model/fused.py)."""
+    try:
+        from torch.utils.cpp_extension import CppExtension
+    except ImportError:
+        return None
+    return CppExtension(
+        "fastdecode._spart_ops", sorted(glob.glob("csrc/spart/*.cpp")),
+        # -fno-trapping-math lets the compiler vectorize the clamps of exp; nothing reads FP flags.
+        extra_compile_args=["-O3", "-fno-math-errno", "-fno-trapping-math", "-Wall", "-fopenmp"],
+        extra_link_args=["-fopenmp"])
+
+
+def build_ext_class():
+    """torch's build_ext where the torch extension is built (it sets torch's ABI flags), pybind11's otherwise."""
+    try:
+        from torch.utils.cpp_extension import BuildExtension
+    except ImportError:
+        return build_ext
+    return BuildExtension
+
+
+class BuildAll(build_ext_class()):
+    def run(self):
+        generate_protos()
+        super().run()
+
+
+extensions = [kernels] if glob.glob("csrc/*.cpp") else []
+if glob.glob("csrc/spart/*.cpp") and spart_ops() is not None:
+    extensions.append(spart_ops())
+setup(ext_modules=extensions, cmdclass={"build_ext": BuildAll})

@@ -47,6 +47,9 @@ constexpr size_t kPrefetchBytesFp16 = 8192, kPrefetchBytesInt4 = 4096;
 // The regions of an item in read order (chunks of NB blocks; inside a chunk, head by head,
 // and each head's blocks in turn), walked pf_regions ahead of the kernel for its software
 // prefetch: next() is the region to prefetch while the kernel does the P V of the current one.
+// A walk made by `items` goes on from an item's last region to the next item's first, up to item
+// `end`, so that at short contexts (a few regions per item) an item's first regions are requested
+// during the previous one instead of missing when the kernel reaches them.
 struct RegionWalk {
   const Layout* L;
   const Layout* T;  // fp16 tails (AttnJob::T)
@@ -54,6 +57,24 @@ struct RegionWalk {
   const int32_t* table;
   int h0, nh, nblk, NB;
   int i0 = 0, j = 0, c = 0;  // the cursor: chunk start, head, block in chunk
+  const AttnJob* job = nullptr;  // set by items(): the walk crosses into later items
+  int item = 0, end = 0;
+
+  // The walk of item i of J (regions of that item only).
+  static RegionWalk of(const AttnJob& J, int i) {
+    const int Hkv = J.L->num_kv_heads, span = J.head_span, spans = (Hkv + span - 1) / span;
+    const int b = i / spans, h0 = (i % spans) * span;
+    return RegionWalk{J.L, J.T, J.pool, J.tables[b], h0, Hkv - h0 < span ? Hkv - h0 : span,
+                      (J.lens[b] + J.L->block_size - 1) / J.L->block_size, J.chunk};
+  }
+  // The walk of items [i, end) of J, as one.
+  static RegionWalk items(const AttnJob& J, int i, int end) {
+    RegionWalk w = of(J, i);
+    w.job = &J;
+    w.item = i;
+    w.end = end;
+    return w;
+  }
   const uint8_t* at(int blk, int head) const {
     return pool + L->region(table[blk], h0 + head);
   }
@@ -64,6 +85,7 @@ struct RegionWalk {
     if (++j < nh) return;
     j = 0;
     i0 += NB;
+    if (i0 >= nblk && job && item + 1 < end) *this = items(*job, item + 1, end);
   }
   __attribute__((always_inline)) inline Prefetch next(int lines_per_token) {
     Prefetch pf;
@@ -890,11 +912,15 @@ static void run_items_groups(const AttnJob& J, int begin, int end, float* scratc
   const size_t pf_bytes = L.int4 ? kPrefetchBytesInt4 * NB : kPrefetchBytesFp16;
   const int pf_regions = static_cast<int>((pf_bytes + L.head_bytes - 1) / L.head_bytes);
   const int pf_lines = static_cast<int>((L.head_bytes / 64 + bs - 1) / bs);  // per token of a region
+  // The kernel takes one region of `ahead` per region it reads, so the walk stays pf_regions ahead
+  // from one item to the next.
+  if (begin >= end) return;
+  RegionWalk ahead = RegionWalk::items(J, begin, end);
+  for (int i = 0; i < pf_regions; ++i) ahead.advance();
   for (int item = begin; item < end; ++item) {
     const int b = item / spans, h0 = (item % spans) * span;
     const int nh = Hkv - h0 < span ? Hkv - h0 : span;
     const int ntok = J.lens[b];
-    const int32_t* table = J.tables[b];
     const float* qb = J.q + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h0) * G) * D;
     const int nrows = nh * G;  // the item's query heads are consecutive in q: row rho is qb + rho * D
     for (int rho = 0; rho < nrows; ++rho) st.m[rho] = -__builtin_inff();
@@ -911,11 +937,9 @@ static void run_items_groups(const AttnJob& J, int begin, int end, float* scratc
     if (L.int4) q_limbs<KG>(qb, nrows, D, L.kgroup, st.limbs, st.fs);
 #endif
     const int nblk = (ntok + bs - 1) / bs;
-    const RegionWalk walk{&L, J.T, J.pool, table, h0, nh, nblk, NB};
+    const RegionWalk walk = RegionWalk::of(J, item);
     const int32_t tb = J.tails ? J.tails[b] : -1;
     const uint8_t* tail0 = tb >= 0 ? J.tail_pool + static_cast<size_t>(tb) * J.T->block_bytes : nullptr;
-    RegionWalk ahead = walk;
-    for (int i = 0; i < pf_regions; ++i) ahead.advance();
     for (int i0 = 0; i0 < nblk; i0 += NB) {
       const int nb = nblk - i0 < NB ? nblk - i0 : NB;
       for (int j = 0; j < nh; ++j)

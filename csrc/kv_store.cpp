@@ -24,6 +24,14 @@ constexpr size_t kTailShare = 8;
 // Below this many (token x kv head) per call, waking the other threads costs more than it saves.
 constexpr int64_t kParallelMin = 4096;
 
+// Decode appends: sequences ahead whose destination lines are requested before the current write.
+constexpr size_t kWriteAhead = 2;
+
+// Decode appends: below this many (sequence x kv head) writes they stay on the calling thread;
+// above, threads take sequences kWriteChunk at a time.
+constexpr int64_t kParallelWrites = 96;
+constexpr int kWriteChunk = 16;
+
 std::string id_str(int64_t id) { return std::to_string(id); }
 
 // Group-wise asymmetric int4: x ~= scale * u + zero, u in 0..15; scale, zero stored as fp16
@@ -51,14 +59,14 @@ void quantize_group(const float* x, int n, uint8_t* u, uint16_t* scale_h, uint16
 
 // Bulk fp32 <-> fp16 for appends: F16C when the CPU has it, else the portable routines.
 #if defined(__x86_64__) || defined(__i386__)
-__attribute__((target("avx,f16c"))) void to_half_f16c(const float* x, uint16_t* y, int n) {
-  int i = 0;
+__attribute__((target("avx,f16c"))) void to_half_f16c(const float* x, uint16_t* y, size_t n) {
+  size_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
   for (; i < n; ++i) y[i] = f2h(x[i]);
 }
-__attribute__((target("avx,f16c"))) void to_float_f16c(const uint16_t* x, float* y, int n) {
-  int i = 0;
+__attribute__((target("avx,f16c"))) void to_float_f16c(const uint16_t* x, float* y, size_t n) {
+  size_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
   for (; i < n; ++i) y[i] = h2f(x[i]);
@@ -66,18 +74,18 @@ __attribute__((target("avx,f16c"))) void to_float_f16c(const uint16_t* x, float*
 const bool kHasF16C = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
 #else
 const bool kHasF16C = false;
-void to_half_f16c(const float*, uint16_t*, int) {}
-void to_float_f16c(const uint16_t*, float*, int) {}
+void to_half_f16c(const float*, uint16_t*, size_t) {}
+void to_float_f16c(const uint16_t*, float*, size_t) {}
 #endif
 
-void to_half(const float* x, uint16_t* y, int n) {
+void to_half(const float* x, uint16_t* y, size_t n) {
   if (kHasF16C) return to_half_f16c(x, y, n);
-  for (int i = 0; i < n; ++i) y[i] = f2h(x[i]);
+  for (size_t i = 0; i < n; ++i) y[i] = f2h(x[i]);
 }
 
-void to_float(const uint16_t* x, float* y, int n) {
+void to_float(const uint16_t* x, float* y, size_t n) {
   if (kHasF16C) return to_float_f16c(x, y, n);
-  for (int i = 0; i < n; ++i) y[i] = h2f(x[i]);
+  for (size_t i = 0; i < n; ++i) y[i] = h2f(x[i]);
 }
 
 // One token of one kv head into an fp16 region (layout L): K transposed, V as a row.
@@ -230,29 +238,49 @@ void KVStore::check_layer(int layer) const {
     throw ValueErr("layer " + std::to_string(layer) + " out of range [0, " + std::to_string(num_layers_) + ")");
 }
 
-std::vector<KVStore::Seq*> KVStore::lookup(const int64_t* ids, int n) {
-  std::vector<Seq*> out(n);
-  std::unordered_set<int64_t> seen;
-  seen.reserve(n * 2);
+const std::vector<KVStore::Seq*>& KVStore::lookup(const int64_t* ids, int n) {
+  found_.resize(n);
+  const uint64_t stamp = ++lookups_;  // a sequence named twice in this call already holds it
   for (int i = 0; i < n; ++i) {
     auto it = seqs_.find(ids[i]);
     if (it == seqs_.end()) throw KeyErr("unknown sequence id " + id_str(ids[i]));
-    if (!seen.insert(ids[i]).second) throw ValueErr("sequence id " + id_str(ids[i]) + " appears twice in one call");
-    out[i] = &it->second;
+    if (it->second.seen == stamp) throw ValueErr("sequence id " + id_str(ids[i]) + " appears twice in one call");
+    it->second.seen = stamp;
+    found_[i] = &it->second;
   }
-  return out;
+  return found_;
 }
+
+namespace {
+
+// Whether any of x[0..n) has its bits under `mask` all set (fp16: NaN or inf). Branch-free, so
+// that the loop vectorizes; the caller raises.
+template <typename T>
+bool any_masked_all(const T* x, size_t n, T mask) {
+  T bad = 0;
+  for (size_t i = 0; i < n; ++i) bad |= static_cast<T>((x[i] & mask) == mask);
+  return bad != 0;
+}
+
+// Whether any of x[0..n) has |x| >= limit or is NaN: compared as bits (|x| orders as its bits, and
+// every NaN lies above inf), branch-free.
+bool any_at_least(const float* x, size_t n, float limit) {
+  uint32_t lim;
+  std::memcpy(&lim, &limit, 4);
+  const uint32_t* b = reinterpret_cast<const uint32_t*>(x);
+  uint32_t bad = 0;
+  for (size_t i = 0; i < n; ++i) bad |= static_cast<uint32_t>((b[i] & 0x7fffffffu) >= lim);
+  return bad != 0;
+}
+
+}  // namespace
 
 void KVStore::check_kv_values(Input x, size_t count, const char* name) const {
   if (x.dtype == DType::f16) {
-    const uint16_t* p = static_cast<const uint16_t*>(x.data);
-    for (size_t i = 0; i < count; ++i)
-      if ((p[i] & 0x7c00u) == 0x7c00u) throw ValueErr(std::string(name) + " contains NaN or inf");
-  } else {
-    const float* p = static_cast<const float*>(x.data);
-    for (size_t i = 0; i < count; ++i)
-      if (!(std::fabs(p[i]) < 65520.0f))  // NaN fails too
-        throw ValueErr(std::string(name) + " contains NaN, inf or a value outside the fp16 range");
+    if (any_masked_all<uint16_t>(static_cast<const uint16_t*>(x.data), count, 0x7c00u))
+      throw ValueErr(std::string(name) + " contains NaN or inf");
+  } else if (any_at_least(static_cast<const float*>(x.data), count, 65520.0f)) {
+    throw ValueErr(std::string(name) + " contains NaN, inf or a value outside the fp16 range");
   }
 }
 
@@ -350,7 +378,29 @@ void KVStore::write_tail(Seq& s, int layer, int pos, const Input& k, const Input
     write_fp16_head(T_, block + static_cast<size_t>(h) * T_.head_bytes, slot, k, v, (src * Hkv + h) * T_.head_dim);
 }
 
-void KVStore::append_locked(int layer, const std::vector<Seq*>& seqs, const int64_t* lens, Input k, Input v) {
+// The lines a write of s's next token at `layer` will touch, where its block exists already (decode
+// writes one token per sequence, each to lines last seen a whole step ago: requested a few sequences
+// ahead, their misses overlap instead of stalling each write in turn).
+void KVStore::prefetch_token(const Seq& s, int layer) const {
+  const int pos = s.len[layer], bs = L_.block_size;
+  if (pos % bs == 0) return;  // a block still to take from the free list
+  const int32_t block = s.blocks[layer][pos / bs];
+  const int slot = pos % bs, D = L_.head_dim;
+  const size_t row = static_cast<size_t>(L_.bsp) * 2, rows_per_line = std::max<size_t>(1, 64 / row);
+  for (int h = 0; h < L_.num_kv_heads; ++h) {
+    const uint8_t* head = pool_base_ + L_.region(block, h);
+    if (L_.int4) {  // a token's nibbles, scales and zeros lie across the whole (small) region
+      for (size_t o = 0; o < L_.head_bytes; o += 64) __builtin_prefetch(head + o, 1, 3);
+      continue;
+    }
+    const uint8_t* k = head + L_.k_off + static_cast<size_t>(slot) * 2;
+    for (size_t d = 0; d < static_cast<size_t>(D); d += rows_per_line) __builtin_prefetch(k + d * row, 1, 3);
+    const uint8_t* v = head + L_.v_off + static_cast<size_t>(slot) * D * 2;
+    for (size_t o = 0; o < static_cast<size_t>(D) * 2; o += 64) __builtin_prefetch(v + o, 1, 3);
+  }
+}
+
+void KVStore::check_room_locked(int layer, const std::vector<Seq*>& seqs, const int64_t* lens) const {
   const int bs = L_.block_size;
   int64_t need = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -361,33 +411,73 @@ void KVStore::append_locked(int layer, const std::vector<Seq*>& seqs, const int6
   if (need > static_cast<int64_t>(free_list_.size()))
     throw CapacityErr("out of KV capacity: need " + std::to_string(need) + " blocks, " +
                       std::to_string(free_list_.size()) + " free of " + std::to_string(nblocks_));
+}
+
+// The bookkeeping of token pos of s before its write: a new block where it starts one (the caller
+// checked there is one), with an fp16 tail while there is room; where it completes a block, that
+// block's tail goes back (its int4 copy is read from then on, and the token is not written to it).
+void KVStore::begin_token(Seq& s, int layer, int pos) {
+  const int bs = L_.block_size;
+  int32_t& tail = s.tail[layer];
+  if (pos % bs == 0) {
+    s.blocks[layer].push_back(free_list_.back());
+    free_list_.pop_back();
+    if (bs > 1 && !tail_free_.empty()) {
+      tail = tail_free_.back();
+      tail_free_.pop_back();
+    }
+  }
+  if (tail >= 0 && (pos + 1) % bs == 0) {
+    tail_free_.push_back(tail);
+    tail = -1;
+  }
+}
+
+// Token pos of s written (src: its row in k, v), after begin_token.
+void KVStore::write_at(Seq& s, int layer, int pos, const Input& k, const Input& v, size_t src) {
+  write_token(s, layer, pos, k, v, src);
+  if (s.tail[layer] >= 0) write_tail(s, layer, pos, k, v, src);
+}
+
+void KVStore::append_locked(int layer, const std::vector<Seq*>& seqs, const int64_t* lens, Input k, Input v) {
+  check_room_locked(layer, seqs, lens);
   size_t src = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
     Seq& s = *seqs[i];
     const int64_t add = lens ? lens[i] : 1;
+    if (!lens && i + kWriteAhead < seqs.size()) prefetch_token(*seqs[i + kWriteAhead], layer);
     for (int64_t t = 0; t < add; ++t, ++src) {
       const int pos = s.len[layer];
-      if (pos % bs == 0) {
-        s.blocks[layer].push_back(free_list_.back());
-        free_list_.pop_back();
-        if (bs > 1 && !tail_free_.empty()) {  // the new block gets an fp16 tail while there is room
-          s.tail[layer] = tail_free_.back();
-          tail_free_.pop_back();
-        }
-      }
-      write_token(s, layer, pos, k, v, src);
-      int32_t& tail = s.tail[layer];
-      if (tail >= 0) {
-        if ((pos + 1) % bs == 0) {  // the block is complete: its int4 copy is read from now on
-          tail_free_.push_back(tail);
-          tail = -1;
-        } else {
-          write_tail(s, layer, pos, k, v, src);
-        }
-      }
+      begin_token(s, layer, pos);
+      write_at(s, layer, pos, k, v, src);
       s.len[layer] = pos + 1;
     }
   }
+}
+
+// append_locked of one token per sequence (decode), its writes shared among the threads: each
+// write is a few dozen cache misses (the K rows of a token lie one per line), and on one thread
+// they took about a quarter of a call at 128 sequences and short contexts. The bookkeeping
+// (begin_token, the lengths) stays on this thread, in the order of append_locked.
+void KVStore::append_tokens_locked(int layer, const std::vector<Seq*>& seqs, Input k, Input v) {
+  const int n = static_cast<int>(seqs.size());
+  const int T = static_cast<int64_t>(n) * L_.num_kv_heads < kParallelWrites ? 1 : pool_->size();
+  if (T == 1) return append_locked(layer, seqs, nullptr, k, v);
+  check_room_locked(layer, seqs, nullptr);
+  for (Seq* s : seqs) begin_token(*s, layer, s->len[layer]);  // in order, as append_locked does
+  const int nchunks = (n + kWriteChunk - 1) / kWriteChunk;
+  std::atomic<int> next{0};
+  pool_->run([&](int tid) {
+    if (tid >= T) return;
+    for (int c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1)) {
+      const int end = std::min(n, (c + 1) * kWriteChunk);
+      for (int i = c * kWriteChunk; i < end; ++i) {
+        if (i + static_cast<int>(kWriteAhead) < end) prefetch_token(*seqs[i + kWriteAhead], layer);
+        write_at(*seqs[i], layer, seqs[i]->len[layer], k, v, i);
+      }
+    }
+  });
+  for (Seq* s : seqs) ++s->len[layer];
 }
 
 void KVStore::append(int layer, const int64_t* ids, int B, Input k, Input v) {
@@ -411,13 +501,27 @@ void KVStore::append_span(int layer, const int64_t* ids, int B, const int64_t* l
   append_locked(layer, lookup(ids, B), lens, k, v);
 }
 
-static void check_q(Input q, size_t count) {
-  for (size_t i = 0; i < count; ++i)
-    if (!std::isfinite(q.at(i))) throw ValueErr("q contains NaN or inf");
+// q * scale * log2(e) into qs_ (the kernels keep scores in log2 units), q checked on the way.
+void KVStore::scale_q(Input q, size_t count, float scale) {
+  if (qs_.size() < count) qs_.resize(count);
+  const float mult = scale * 1.4426950408889634f;
+  float* dst = qs_.data();
+  bool bad;
+  if (q.dtype == DType::f16) {
+    const uint16_t* p = static_cast<const uint16_t*>(q.data);
+    bad = any_masked_all<uint16_t>(p, count, 0x7c00u);
+    to_float(p, dst, count);
+    for (size_t i = 0; i < count; ++i) dst[i] *= mult;
+  } else {
+    const float* p = static_cast<const float*>(q.data);
+    bad = any_masked_all<uint32_t>(reinterpret_cast<const uint32_t*>(p), count, 0x7f800000u);
+    for (size_t i = 0; i < count; ++i) dst[i] = p[i] * mult;
+  }
+  if (bad) throw ValueErr("q contains NaN or inf");
 }
 
-KVStore::Snapshot KVStore::snapshot_locked(int layer, const std::vector<Seq*>& seqs) const {
-  Snapshot snap;
+void KVStore::snapshot_locked(int layer, const std::vector<Seq*>& seqs) {
+  Snapshot& snap = snap_;
   const int B = static_cast<int>(seqs.size());
   size_t total = 0;
   snap.lens.resize(B);
@@ -426,36 +530,35 @@ KVStore::Snapshot KVStore::snapshot_locked(int layer, const std::vector<Seq*>& s
     if (snap.lens[b] == 0) throw ValueErr("sequence has no KV at layer " + std::to_string(layer));
     total += seqs[b]->blocks[layer].size();
   }
-  snap.blocks.reserve(total);
-  std::vector<size_t> start(B);
-  for (int b = 0; b < B; ++b) {
-    start[b] = snap.blocks.size();
-    snap.blocks.insert(snap.blocks.end(), seqs[b]->blocks[layer].begin(), seqs[b]->blocks[layer].end());
-  }
+  snap.blocks.resize(total);
   snap.tables.resize(B);
-  for (int b = 0; b < B; ++b) snap.tables[b] = snap.blocks.data() + start[b];
+  int32_t* at = snap.blocks.data();
+  for (int b = 0; b < B; ++b) {
+    const std::vector<int32_t>& table = seqs[b]->blocks[layer];
+    std::memcpy(at, table.data(), table.size() * sizeof(int32_t));
+    snap.tables[b] = at;
+    at += table.size();
+  }
+  snap.tails.clear();
   if (ntails_ > 0) {
     snap.tails.resize(B);
     for (int b = 0; b < B; ++b) snap.tails[b] = seqs[b]->tail[layer];
   }
-  return snap;
 }
 
 // Runs without mu_ (other sequences may be appended, created or freed meanwhile)
 // but under compute_mu_, which keeps the pool mapped and the thread pool ours.
-void KVStore::run_attention(const Snapshot& snap, int H, Input q, float scale, float* out) {
-  const int B = static_cast<int>(snap.lens.size()), D = L_.head_dim, Hkv = L_.num_kv_heads, G = H / Hkv;
+void KVStore::run_attention(int H, float* out) {
+  const Snapshot& snap = snap_;
+  const int B = static_cast<int>(snap.lens.size()), Hkv = L_.num_kv_heads, G = H / Hkv;
   if (B == 0) return;
-  std::vector<float> qs(static_cast<size_t>(B) * H * D);
-  const float mult = scale * 1.4426950408889634f;  // scores in log2 units
-  for (size_t i = 0; i < qs.size(); ++i) qs[i] = q.at(i) * mult;
 
   AttnJob job;
   job.L = &L_;
   job.pool = pool_base_;
   job.H = H;
   job.G = G;
-  job.q = qs.data();
+  job.q = qs_.data();
   job.out = out;
   job.tables = snap.tables.data();
   job.lens = snap.lens.data();
@@ -486,7 +589,8 @@ void KVStore::run_attention(const Snapshot& snap, int H, Input q, float scale, f
     return;
   }
   const int nchunks = std::min(items, T * 8);
-  std::vector<int> bounds(nchunks + 1, items);
+  std::vector<int>& bounds = bounds_;
+  bounds.assign(nchunks + 1, items);
   bounds[0] = 0;
   int64_t acc = 0;
   for (int i = 0, c = 1; i < items && c < nchunks; ++i) {
@@ -503,35 +607,33 @@ void KVStore::run_attention(const Snapshot& snap, int H, Input q, float scale, f
 }
 
 void KVStore::attend(int layer, const int64_t* ids, int B, int H, Input q, float scale, float* out) {
-  check_q(q, static_cast<size_t>(B) * H * L_.head_dim);
   std::lock_guard<std::mutex> compute(compute_mu_);
-  Snapshot snap;
+  scale_q(q, static_cast<size_t>(B) * H * L_.head_dim, scale);
   {
     std::lock_guard<std::mutex> lk(mu_);
     check_open();
     check_layer(layer);
-    snap = snapshot_locked(layer, lookup(ids, B));
+    snapshot_locked(layer, lookup(ids, B));
   }
-  run_attention(snap, H, q, scale, out);
+  run_attention(H, out);
 }
 
 void KVStore::decode(int layer, const int64_t* ids, int B, int H, Input q, Input k, Input v, float scale,
                      float* out) {
-  check_q(q, static_cast<size_t>(B) * H * L_.head_dim);
+  std::lock_guard<std::mutex> compute(compute_mu_);
+  scale_q(q, static_cast<size_t>(B) * H * L_.head_dim, scale);
   const size_t count = static_cast<size_t>(B) * L_.num_kv_heads * L_.head_dim;
   check_kv_values(k, count, "k");
   check_kv_values(v, count, "v");
-  std::lock_guard<std::mutex> compute(compute_mu_);
-  Snapshot snap;
   {
     std::lock_guard<std::mutex> lk(mu_);
     check_open();
     check_layer(layer);
-    const std::vector<Seq*> seqs = lookup(ids, B);
-    append_locked(layer, seqs, nullptr, k, v);
-    snap = snapshot_locked(layer, seqs);
+    const std::vector<Seq*>& seqs = lookup(ids, B);
+    append_tokens_locked(layer, seqs, k, v);
+    snapshot_locked(layer, seqs);
   }
-  run_attention(snap, H, q, scale, out);
+  run_attention(H, out);
 }
 
 void KVStore::read(int64_t id, int layer, std::vector<float>* k, std::vector<float>* v) {

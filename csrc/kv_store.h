@@ -77,12 +77,15 @@ class KVStore {
     std::vector<std::vector<int32_t>> blocks;  // per layer
     std::vector<int32_t> len;                  // per layer
     std::vector<int32_t> tail;                 // per layer: fp16 copy of the newest block, or -1
+    uint64_t seen = 0;                         // the last lookup that named it (duplicate check)
   };
 
   void check_open() const;
   void check_layer(int layer) const;
-  std::vector<Seq*> lookup(const int64_t* ids, int n);  // KeyErr / ValueErr on duplicates
+  const std::vector<Seq*>& lookup(const int64_t* ids, int n);  // KeyErr / ValueErr on duplicates; under mu_
   void check_kv_values(Input x, size_t count, const char* name) const;
+  void scale_q(Input q, size_t count, float scale);  // checks q, scaled into qs_; under compute_mu_
+  void prefetch_token(const Seq& s, int layer) const;
   void write_token(Seq& s, int layer, int slot_token, const Input& k, const Input& v, size_t src_token);
   struct Snapshot {  // what one attention call reads: block ids, lengths and fp16 tails, copied
     std::vector<int32_t> blocks, lens, tails;
@@ -90,9 +93,13 @@ class KVStore {
   };
   void write_tail(Seq& s, int layer, int pos, const Input& k, const Input& v, size_t src);
 
+  void check_room_locked(int layer, const std::vector<Seq*>& seqs, const int64_t* lens) const;
+  void begin_token(Seq& s, int layer, int pos);
+  void write_at(Seq& s, int layer, int pos, const Input& k, const Input& v, size_t src);
   void append_locked(int layer, const std::vector<Seq*>& seqs, const int64_t* lens, Input k, Input v);
-  Snapshot snapshot_locked(int layer, const std::vector<Seq*>& seqs) const;
-  void run_attention(const Snapshot& snap, int H, Input q, float scale, float* out);
+  void append_tokens_locked(int layer, const std::vector<Seq*>& seqs, Input k, Input v);  // under compute_mu_ too
+  void snapshot_locked(int layer, const std::vector<Seq*>& seqs);  // into snap_
+  void run_attention(int H, float* out);  // over snap_ with q from qs_
 
   Layout L_;
   int num_layers_;
@@ -112,6 +119,12 @@ class KVStore {
   std::unique_ptr<ThreadPool> pool_;
   bool openmp_ = false;
   std::vector<std::vector<float>> scratch_;
+  // Per-call buffers, kept to spare each call its allocations (and the page faults of fresh memory).
+  std::vector<Seq*> found_;   // lookup's result; under mu_
+  uint64_t lookups_ = 0;      // under mu_
+  Snapshot snap_;             // under compute_mu_
+  std::vector<float> qs_;     // under compute_mu_
+  std::vector<int> bounds_;   // under compute_mu_
   std::mutex compute_mu_;  // taken before mu_ when both are needed
   std::mutex mu_;
 };

@@ -134,6 +134,11 @@ def _ints(x, name: str) -> np.ndarray:
         raise ValueError(f"{name} must be a 1-D sequence of integers, got {type(x).__name__}")
     else:
         x = x if isinstance(x, (list, tuple)) else list(x)
+        if set(map(type, x)) <= {int}:              # the common case, checked at C speed
+            try:
+                return np.array(x, dtype=np.int64)
+            except OverflowError:
+                pass                                # beyond int64: the precise error below
         a = np.array(x) if len(x) else np.zeros(0, np.int64)
         if a.dtype.kind not in "iu" or any(isinstance(v, (bool, np.bool_)) for v in x):
             a = np.array([_int(v, name) for v in x], dtype=np.int64)   # checks each: the precise error

@@ -279,6 +279,7 @@ def measure_s_part(model_dir: str, batches: Sequence[int] = DEFAULT_BATCHES, dev
     from fastdecode.engine.sampling import SamplingParams, sample
     from fastdecode.model.llama import LlamaModel, ModelArgs
     from fastdecode.model.loader import DTYPES
+    from fastdecode.model.fused import fuse_layers
     from fastdecode.model.packed import pack_linears
     from transformers import AutoConfig, AutoTokenizer
 
@@ -293,6 +294,7 @@ def measure_s_part(model_dir: str, batches: Sequence[int] = DEFAULT_BATCHES, dev
     model.rope.build(device)
     model.requires_grad_(False)
     pack_linears(model)                            # as load_model does: the engine's S-Part
+    fuse_layers(model)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     class FreeAttention(AttentionBackend):        # o = 0 at once: only the S-worker's side is timed

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fastdecode.engine import InvalidRequestError, SamplingParams
-from fastdecode.engine.sampling import filter_logits, sample, seeded_noise
+from fastdecode.engine.sampling import filter_logits, sample, seeded_uniform
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
@@ -67,12 +67,21 @@ def test_seeded_row_on_another_device_uses_its_cpu_generator():
     assert not torch.equal(g.get_state(), before)          # the seeded row drew from its own generator
 
 
-def test_seeded_noise_same_numbers_on_every_device():
-    a = seeded_noise(1000, torch.Generator().manual_seed(3), "cpu")
-    b = torch.empty(1000).exponential_(generator=torch.Generator().manual_seed(3))   # what a CPU row drew before
+def test_seeded_uniform_same_number_on_every_device():
+    a = seeded_uniform(torch.Generator().manual_seed(3), "cpu")
+    b = torch.rand(1, generator=torch.Generator().manual_seed(3))   # what a CPU row draws
     assert torch.equal(a, b)
-    m = seeded_noise(1000, torch.Generator().manual_seed(3), torch.device("meta"))
-    assert m.device.type == "meta" and m.shape == (1000,)
+    m = seeded_uniform(torch.Generator().manual_seed(3), torch.device("meta"))
+    assert m.device.type == "meta" and m.shape == (1,)
+
+
+def test_zero_probability_tokens_are_never_drawn():
+    """Rows whose mass sits on a few tokens among many -inf: the inversion must skip the flat
+    stretches of the cumulative sum, at both ends of [0, 1)."""
+    logits = torch.full((2000, 300), float("-inf"))
+    logits[:, 0] = logits[:, 299] = logits[:, 150] = 0.0
+    tokens = sample(logits, [SamplingParams(temperature=1.0)] * 2000, [None] * 2000)
+    assert set(tokens.tolist()) == {0, 150, 299}
 
 
 def test_top_k_never_emits_excluded():

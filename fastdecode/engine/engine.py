@@ -197,7 +197,7 @@ class Engine:
             prefill, rebuild = [], [s for s in batch if s.seq_id in lost_set]
 
         if sampled:
-            self._postprocess(sampled, torch.cat(logits))
+            self._postprocess(sampled, logits[0] if len(logits) == 1 else torch.cat(logits))
         self._process_aborts()
         self._record(t0, len(sampled), len(admitted))
 

@@ -90,17 +90,30 @@ class DecoderLayer(nn.Module):
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = SwiGLU(a.hidden_size, a.intermediate_size, a.mlp_bias)
+        self.ops = None                 # fused CPU ops (model/fused.py), set by fuse_layers
 
     def pre_attention(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        n, d = h.shape[0], self.head_dim
-        qkv = self.qkv_proj(self.input_layernorm(h)).view(n, self.num_heads + 2 * self.num_kv_heads, d)
-        qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], *rope)     # q and k rotated together
+        n, d, qk_heads = h.shape[0], self.head_dim, self.num_heads + self.num_kv_heads
+        norm = self.input_layernorm
+        x = norm(h) if self.ops is None else self.ops.rms_norm(h, norm.weight, norm.eps)
+        qkv = self.qkv_proj(x).view(n, qk_heads + self.num_kv_heads, d)
+        if self.ops is None:
+            qk = apply_rope(qkv[:, :qk_heads], *rope)          # q and k rotated together
+        else:
+            qk = qkv[:, :qk_heads]
+            self.ops.rope_(qk, rope[0][:, 0], rope[1][:, 0])
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        return q, k, qkv[:, self.num_heads + self.num_kv_heads:]
+        return q, k, qkv[:, qk_heads:]
 
     def post_attention(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        h = h + self.o_proj(o.reshape(h.shape[0], -1).to(h.dtype))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """h + attention's output projection, then + MLP. The fused path updates h in place."""
+        d = self.o_proj(o.reshape(h.shape[0], -1).to(h.dtype))
+        if self.ops is None:
+            h = h + d
+            return h + self.mlp(self.post_attention_layernorm(h))
+        norm = self.post_attention_layernorm
+        x = self.ops.add_rms_norm(h, d, norm.weight, norm.eps)
+        return h.add_(self.mlp.down_proj(self.ops.silu_mul(self.mlp.gate_up_proj(x))))
 
 
 class LlamaModel(nn.Module):
@@ -113,6 +126,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = RotaryEmbedding(hf_config, args.head_dim, max_len)
         self.scale = args.head_dim ** -0.5
+        self.ops = None                 # fused CPU ops (model/fused.py), set by fuse_layers
 
     # -- the pieces the engine drives -------------------------------------------------
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -131,7 +145,8 @@ class LlamaModel(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: logits [N, vocab] in the model's dtype (the sampler upcasts
         only the rows it samples from; a greedy argmax needs no float32 copy)."""
-        return self.lm_head(self.norm(h))
+        x = self.norm(h) if self.ops is None else self.ops.rms_norm(h, self.norm.weight, self.norm.eps)
+        return self.lm_head(x)
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
         """Causal attention of each prompt over itself (sequences back to back) -> o [N, H, D]."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from fastdecode.model.llama import LlamaModel, ModelArgs, check_context
+from fastdecode.model.fused import fuse_layers
 from fastdecode.model.packed import pack_linears
 
 # checkpoint name part -> (our fused parameter, shard index). Shards are
@@ -110,4 +111,5 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", ma
     model = model.to(device).eval()
     model.requires_grad_(False)
     pack_linears(model)
+    fuse_layers(model)
     return LoadedModel(model, tokenizer, hf_config, args, max_len, eos_ids(path, hf_config, tokenizer))

@@ -1,0 +1,317 @@
+// Fused bf16 ops of the S-Part on the CPU (fastdecode._spart_ops), one pass over memory
+// each where torch runs 3-8 ops. Each computes what the torch code in
+// fastdecode/model/layers.py computes, rounding to bf16 where torch does, so results
+// match it but for float32 summation order and exp's last bits.
+// Threads: torch's own OpenMP team (at::parallel_for); vector code per ISA by target_clones.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <limits>
+
+namespace {
+
+#define FD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+constexpr int64_t kGrainElems = 1 << 14;   // elements a thread gets at least: below, one thread is faster
+
+inline float bf2f(uint16_t b) { return __builtin_bit_cast(float, static_cast<uint32_t>(b) << 16); }
+
+// Round to nearest even, as c10::BFloat16 does (NaN stays a quiet NaN).
+inline uint16_t f2bf(float f) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+}
+
+inline float round_bf(float f) { return bf2f(f2bf(f)); }
+
+// exp for the vector loops (Cephes' polynomial on a range-reduced argument; about 1 ulp in
+// float32, far below bf16's rounding). Clamped: exp(-87) is already below bf16's smallest normal.
+inline float fast_exp(float x) {
+  x = x < -87.3f ? -87.3f : x;
+  x = x > 88.7f ? 88.7f : x;
+  constexpr float kRound = 12582912.f;                  // 1.5 * 2^23: adding it rounds to an integer
+  const float shifted = x * 1.44269504088896341f + kRound;   // that integer n in the low mantissa bits
+  const float n = shifted - kRound;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t e = __builtin_bit_cast(int32_t, shifted) - __builtin_bit_cast(int32_t, kRound);
+  return p * __builtin_bit_cast(float, (e + 127) << 23);
+}
+
+const uint16_t* bf(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+uint16_t* bf_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, name, " must be [rows, hidden], got ", x.sizes());
+  TORCH_CHECK(x.stride(1) == 1, name, " must have contiguous rows");
+}
+
+int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(row_elems, 1)); }
+
+// y = w * bf16(x * rsqrt(mean(x^2) + eps)), x first replaced by bf16(x + d) when d is given.
+FD_CLONES void norm_row(uint16_t* x, const uint16_t* d, const uint16_t* w, uint16_t* y, int64_t n, float eps) {
+  float ss = 0.f;
+  if (d != nullptr) {
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t s = f2bf(bf2f(x[i]) + bf2f(d[i]));
+      x[i] = s;
+      const float f = bf2f(s);
+      ss += f * f;
+    }
+  } else {
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; ++i) {
+      const float f = bf2f(x[i]);
+      ss += f * f;
+    }
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = f2bf(bf2f(w[i]) * round_bf(bf2f(x[i]) * inv));
+}
+
+at::Tensor norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 1 && weight.is_contiguous() &&
+                  weight.size(0) == x.size(1),
+              "weight must be a contiguous bfloat16 [", x.size(1), "]");
+  if (delta) {
+    check_rows(*delta, "delta");
+    TORCH_CHECK(delta->sizes() == x.sizes(), "delta must be shaped as x, got ", delta->sizes(), " and ", x.sizes());
+  }
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor y = at::empty({rows, n}, x.options());
+  uint16_t* xp = bf_mut(x);
+  const uint16_t* dp = delta ? bf(*delta) : nullptr;
+  const uint16_t* wp = bf(weight);
+  uint16_t* yp = bf_mut(y);
+  const int64_t xs = x.stride(0), ds = delta ? delta->stride(0) : 0;
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r)
+      norm_row(xp + r * xs, dp ? dp + r * ds : nullptr, wp, yp + r * n, n, static_cast<float>(eps));
+  });
+  return y;
+}
+
+// rms_norm(x, w, eps) -> y.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor h = x;   // not written: no delta
+  return norm(h, c10::nullopt, weight, eps);
+}
+
+// add_rms_norm(h, d, w, eps) -> y; h += d in place (rounded to bf16, as h + d is).
+at::Tensor add_rms_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  return norm(h, delta, weight, eps);
+}
+
+// x[t, h, :] = x * cos[t] + rotate_half(x) * sin[t], each product and the sum rounded to bf16.
+FD_CLONES void rope_head(uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t half) {
+  alignas(64) uint16_t lo[256];
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) lo[i] = x[i];
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = bf2f(x[i]), b = bf2f(x[i + half]);
+    x[i] = f2bf(round_bf(a * bf2f(c[i])) + round_bf(-b * bf2f(s[i])));
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = bf2f(lo[i]), b = bf2f(x[i + half]);
+    x[i + half] = f2bf(round_bf(b * bf2f(c[i + half])) + round_bf(a * bf2f(s[i + half])));
+  }
+}
+
+// x [T, heads, D] (rows may be strided, heads and D contiguous), cos, sin [T, D] bf16.
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 3, "x must be a CPU bfloat16 [T, heads, D]");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == D, "x must have contiguous heads");
+  TORCH_CHECK(D % 2 == 0 && D <= 512, "head_dim must be even and <= 512, got ", D);
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 2 && t->size(0) == T && t->size(1) == D &&
+                    t->stride(1) == 1,
+                "cos and sin must be bfloat16 [", T, ", ", D, "] with contiguous rows");
+  uint16_t* xp = bf_mut(x);
+  const uint16_t *cp = bf(cos), *sp = bf(sin);
+  const int64_t xs = x.stride(0), cs = cos.stride(0), ss = sin.stride(0);
+  at::parallel_for(0, T, row_grain(H * D), [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t)
+      for (int64_t h = 0; h < H; ++h) rope_head(xp + t * xs + h * D, cp + t * cs, sp + t * ss, D / 2);
+  });
+}
+
+// out = bf16(silu(gate)) * up, rounded: gate, up = the two halves of each row of gu.
+FD_CLONES void silu_mul_row(const uint16_t* __restrict g, const uint16_t* __restrict u, uint16_t* __restrict o,
+                            int64_t n) {
+  constexpr int64_t kChunk = 64;
+  float a[kChunk];
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    const int64_t m = std::min(kChunk, n - i0);
+#pragma omp simd
+    for (int64_t i = 0; i < m; ++i) a[i] = bf2f(g[i0 + i]);
+#pragma omp simd
+    for (int64_t i = 0; i < m; ++i) a[i] = a[i] / (1.f + fast_exp(-a[i]));
+#pragma omp simd
+    for (int64_t i = 0; i < m; ++i) o[i0 + i] = f2bf(round_bf(a[i]) * bf2f(u[i0 + i]));
+  }
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_rows(gu, "gate_up");
+  TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up must have an even number of columns");
+  const int64_t rows = gu.size(0), n = gu.size(1) / 2, s = gu.stride(0);
+  at::Tensor out = at::empty({rows, n}, gu.options());
+  const uint16_t* g = bf(gu);
+  uint16_t* o = bf_mut(out);
+  at::parallel_for(0, rows, row_grain(2 * n), [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) silu_mul_row(g + r * s, g + r * s + n, o + r * n, n);
+  });
+  return out;
+}
+
+// Index of the first maximum of each row (a NaN counts as the maximum, as in torch.max).
+FD_CLONES int64_t argmax_row(const uint16_t* x, int64_t n) {
+  // bf16 bits -> a key whose integer order is the float order (NaN above +inf).
+  auto key = [](uint16_t b) -> int32_t {
+    const int32_t v = b & 0x7fff;
+    if (v > 0x7f80) return 0x10000;
+    return (b & 0x8000) ? -v : v;
+  };
+  constexpr int64_t kLanes = 32;
+  int32_t best[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) best[l] = std::numeric_limits<int32_t>::min();
+  const int64_t body = n - n % kLanes;
+  for (int64_t i = 0; i < body; i += kLanes) {
+#pragma omp simd
+    for (int64_t l = 0; l < kLanes; ++l) best[l] = std::max(best[l], key(x[i + l]));
+  }
+  int32_t m = std::numeric_limits<int32_t>::min();
+  for (int64_t l = 0; l < kLanes; ++l) m = std::max(m, best[l]);
+  for (int64_t i = body; i < n; ++i) m = std::max(m, key(x[i]));
+  for (int64_t i = 0; i < n; ++i)
+    if (key(x[i]) == m) return i;
+  return 0;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  check_rows(logits, "logits");
+  const int64_t rows = logits.size(0), n = logits.size(1), s = logits.stride(0);
+  TORCH_CHECK(n > 0, "logits must have at least one column");
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const uint16_t* x = bf(logits);
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) o[r] = argmax_row(x + r * s, n);
+  });
+  return out;
+}
+
+// Multinomial sampling of softmax(x / temperature) by inversion: the first token whose
+// cumulative weight exceeds u * total. Weights exp((x - max) / T) are summed chunk by chunk in
+// the same order in both passes, so the chunk holding the target is always found.
+FD_CLONES float chunk_weights(const uint16_t* x, int64_t m, float mx, float inv_t, float* w) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < m; ++i) {
+    const float v = bf2f(x[i]);
+    w[i] = v == -std::numeric_limits<float>::infinity() ? 0.f : fast_exp((v - mx) * inv_t);
+    sum += w[i];
+  }
+  return sum;
+}
+
+FD_CLONES float row_max(const uint16_t* x, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, bf2f(x[i]));
+  return mx;
+}
+
+int64_t sample_row(const uint16_t* x, int64_t n, float temperature, float u) {
+  constexpr int64_t kChunk = 256;
+  alignas(64) float w[kChunk];
+  const float mx = row_max(x, n), inv_t = 1.f / temperature;
+  float total = 0.f;
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) total += chunk_weights(x + i0, std::min(kChunk, n - i0), mx, inv_t, w);
+  const float target = u * total;
+  float acc = 0.f;
+  int64_t last = 0;
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    const int64_t m = std::min(kChunk, n - i0);
+    const float sum = chunk_weights(x + i0, m, mx, inv_t, w);
+    if (acc + sum > target) {
+      float a = acc;
+      for (int64_t i = 0; i < m; ++i) {
+        if (w[i] > 0.f) last = i0 + i;
+        a += w[i];
+        if (a > target && w[i] > 0.f) return i0 + i;
+      }
+      return last;      // the sum in another order came out a hair larger
+    }
+    for (int64_t i = m - 1; i >= 0; --i)
+      if (w[i] > 0.f) {
+        last = i0 + i;
+        break;
+      }
+    acc += sum;
+  }
+  return last;
+}
+
+// rows[j] of logits [B, V] sampled at temperatures[j] with uniform draws u[j] in [0, 1).
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& rows, const at::Tensor& temperatures,
+                       const at::Tensor& u) {
+  check_rows(logits, "logits");
+  const int64_t R = rows.numel(), B = logits.size(0), n = logits.size(1), s = logits.stride(0);
+  TORCH_CHECK(n > 0, "logits must have at least one column");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(), "rows must be int64 [R]");
+  for (const at::Tensor* t : {&temperatures, &u})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->numel() == R && t->is_contiguous(),
+                "temperatures and u must be float32 [", R, "]");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const float *tp = temperatures.data_ptr<float>(), *up = u.data_ptr<float>();
+  for (int64_t j = 0; j < R; ++j) {
+    TORCH_CHECK(rp[j] >= 0 && rp[j] < B, "row ", rp[j], " out of range [0, ", B, ")");
+    TORCH_CHECK(tp[j] > 0.f && std::isfinite(tp[j]), "temperatures must be finite and > 0");
+    TORCH_CHECK(up[j] >= 0.f && up[j] < 1.f, "u must be in [0, 1)");
+  }
+  at::Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
+  const uint16_t* x = bf(logits);
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t a, int64_t b) {
+    for (int64_t j = a; j < b; ++j) o[j] = sample_row(x + rp[j] * s, n, tp[j], up[j]);
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fused bf16 S-Part ops on the CPU (see fastdecode/model/fused.py)";
+  m.def("rms_norm", &rms_norm, "rms_norm(x, weight, eps) -> y", py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("add_rms_norm", &add_rms_norm, "add_rms_norm(h, delta, weight, eps) -> y; h += delta in place",
+        py::arg("h"), py::arg("delta"), py::arg("weight"), py::arg("eps"));
+  m.def("rope_", &rope_, "rope_(x, cos, sin): rotate x [T, heads, D] in place", py::arg("x"), py::arg("cos"),
+        py::arg("sin"));
+  m.def("silu_mul", &silu_mul, "silu_mul(gate_up) -> silu(gate) * up", py::arg("gate_up"));
+  m.def("argmax_rows", &argmax_rows, "argmax_rows(logits) -> int64 index of each row's first maximum",
+        py::arg("logits"));
+  m.def("sample_rows", &sample_rows,
+        "sample_rows(logits, rows, temperatures, u) -> int64 token of each row: softmax(x / T) inverted at u",
+        py::arg("logits"), py::arg("rows"), py::arg("temperatures"), py::arg("u"));
+}
