@@ -173,6 +173,8 @@ class Engine:
             by_id = {s.seq_id: s for s in decoding}
             for sid in res.out_of_kv:
                 self._finish(by_id[sid], "error", "out of KV capacity while decoding")
+            for sid, why in res.failed.items():
+                self._finish(by_id[sid], "error", f"attention failed: {why}")
             rebuild = [by_id[sid] for sid in res.lost]
         else:
             rebuild = []

@@ -10,7 +10,10 @@ whole batch at once: there is nothing to overlap.
     backend:            attn(i) A                           attn(i) B
 
 Sequences whose KV a backend loses (SequencesLost) drop out of the step; the
-engine rebuilds them by prefilling all their tokens again.
+engine rebuilds them by prefilling all their tokens again. Any other attention
+failure ends only the sequences it concerns: rows whose q, k or v are not finite
+(or beyond fp16's range, which the KV cache stores) are failed and the rest of
+the mini-batch retried once; a failure with no such row fails the mini-batch.
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ class MiniBatch:
     rope: tuple[torch.Tensor, torch.Tensor]     # cos, sin rows of its positions
     future: Future | None = None
     submitted: float = 0.0
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # what was submitted (for a retry)
 
 
 @dataclass
@@ -57,6 +61,7 @@ class DecodeResult:
     rows: list[int]             # batch rows that got logits
     lost: list[int]             # seq ids whose KV was lost
     out_of_kv: list[int]        # seq ids that could not grow their KV
+    failed: dict[int, str] = field(default_factory=dict)   # seq id -> why its attention failed
 
 
 class ModelRunner:
@@ -82,34 +87,41 @@ class ModelRunner:
                for a, b in zip(bounds, bounds[1:])]
         lost: list[int] = []
         out_of_kv: list[int] = []
+        failed: dict[int, str] = {}
         num_layers = self.model.args.num_layers
         for layer in range(num_layers + 1):
             for mb in mbs:
                 if mb.future is not None:
-                    self._finish_layer(layer - 1, mb, lost, out_of_kv)
+                    self._finish_layer(layer - 1, mb, lost, out_of_kv, failed)
                 if layer < num_layers and mb.seq_ids:
                     self._start_layer(layer, mb)
         alive = [mb for mb in mbs if mb.seq_ids]
         if not alive:
-            return DecodeResult(torch.empty(0, self.model.args.vocab_size), [], lost, out_of_kv)
+            return DecodeResult(torch.empty(0, self.model.args.vocab_size), [], lost, out_of_kv, failed)
         logits = self.model.logits(torch.cat([mb.h for mb in alive]))
         rows = torch.cat([mb.rows for mb in alive]).tolist()
-        return DecodeResult(logits, rows, lost, out_of_kv)
+        return DecodeResult(logits, rows, lost, out_of_kv, failed)
 
     def _start_layer(self, layer: int, mb: MiniBatch) -> None:
         q, k, v = self.model.pre_attention(layer, mb.h, mb.rope)
+        mb.qkv = q.cpu(), k.cpu(), v.cpu()
         t = time.perf_counter()
-        try:
-            mb.future = self.backend.submit_decode(layer, mb.seq_ids, q.cpu(), k.cpu(), v.cpu())
-        except Exception as e:          # a synchronous failure travels the same way as an async one
-            mb.future = Future()
-            mb.future.set_exception(e)
+        mb.future = self._submit(layer, mb.seq_ids, *mb.qkv)
         done = time.perf_counter()
         self.times.backend_calls += done - t
         mb.submitted = t
         mb.future.add_done_callback(lambda _f, t=t: self.times.r_intervals.append((t, time.perf_counter())))
 
-    def _finish_layer(self, layer: int, mb: MiniBatch, lost: list[int], out_of_kv: list[int]) -> None:
+    def _submit(self, layer: int, seq_ids: list[int], q, k, v) -> Future:
+        try:
+            return self.backend.submit_decode(layer, seq_ids, q, k, v)
+        except Exception as e:          # a synchronous failure travels the same way as an async one
+            future: Future = Future()
+            future.set_exception(e)
+            return future
+
+    def _finish_layer(self, layer: int, mb: MiniBatch, lost: list[int], out_of_kv: list[int],
+                      failed: dict[int, str]) -> None:
         t = time.perf_counter()
         future, mb.future = mb.future, None
         try:
@@ -124,10 +136,38 @@ class ModelRunner:
             out_of_kv.extend(mb.seq_ids)
             self._keep(mb, [])
             o = None
+        except Exception as e:
+            o = self._isolate_failure(layer, mb, e, failed)
         finally:
             self.times.s_wait += time.perf_counter() - t
         if o is not None and mb.seq_ids:
             mb.h = self.model.post_attention(layer, mb.h, o.to(self.device))
+
+    def _isolate_failure(self, layer: int, mb: MiniBatch, error: Exception, failed: dict[int, str]):
+        """Fail the rows that caused `error` and retry the rest once; -> their output, or None."""
+        q, k, v = mb.qkv
+        fp16_max = torch.finfo(torch.float16).max
+        ok = torch.ones(len(mb.seq_ids), dtype=torch.bool)
+        for x in (q, k, v):
+            rows = x.reshape(len(mb.seq_ids), -1).float()
+            ok &= torch.isfinite(rows).all(dim=1) & (rows.abs() <= fp16_max).all(dim=1)
+        keep = ok.nonzero().flatten().tolist()
+        if len(keep) == len(mb.seq_ids):            # no row to blame: the call failed as a whole
+            failed.update((s, f"{type(error).__name__}: {error}") for s in mb.seq_ids)
+            self._keep(mb, [])
+            return None
+        for i in (~ok).nonzero().flatten().tolist():
+            failed[mb.seq_ids[i]] = "attention inputs not finite or beyond fp16 range"
+        self._keep(mb, keep)
+        if not keep:
+            return None
+        idx = torch.tensor(keep)
+        try:
+            return self._submit(layer, mb.seq_ids, q[idx], k[idx], v[idx]).result()
+        except Exception as e:
+            failed.update((s, f"{type(e).__name__}: {e}") for s in mb.seq_ids)
+            self._keep(mb, [])
+            return None
 
     @staticmethod
     def _keep(mb: MiniBatch, keep: list[int]) -> None:
