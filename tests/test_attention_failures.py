@@ -96,3 +96,30 @@ def test_a_backend_fault_fails_its_batch_not_the_engine(engine):
     assert engine.healthy and engine.backend.stats()["sequences"] == 0
     engine.backend.submit_decode = real
     assert [tokens(o) for o in run(engine, PROMPTS).values()] == [tokens(o) for o in clean.values()]
+
+
+def test_a_prefill_the_backend_refuses_fails_its_requests_not_the_engine(engine):
+    """A non-finite key while a prompt is prefilled: the requests of that prefill end with an
+    error, their KV is freed, and the engine serves the next ones."""
+    clean = run(engine, PROMPTS)
+    model, pre = engine.runner.model, engine.runner.model.pre_attention
+    armed = [True]
+
+    def poisoned(layer, h, rope):             # the first call: layer 0 of the three prompts' prefill
+        q, k, v = pre(layer, h, rope)
+        if armed.pop() if armed else False:
+            k = k.clone()
+            k[0, 0, 0] = float("nan")
+        return q, k, v
+    model.pre_attention = poisoned
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    finals = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                finals[o.request_id] = o
+    assert {finals[i].finish_reason for i in ids} == {"error"}
+    assert all("prefill" in finals[i].error for i in ids)
+    assert engine.healthy and engine.backend.stats()["sequences"] == 0
+    model.pre_attention = pre
+    assert [tokens(o) for o in run(engine, PROMPTS).values()] == [tokens(o) for o in clean.values()]

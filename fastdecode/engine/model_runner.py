@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastdecode.attention.base import AttentionBackend, KVCapacityError, SequencesLost
+from fastdecode.attention.base import AttentionBackend, AttentionError, KVCapacityError, SequencesLost
 from fastdecode.model.llama import LlamaModel
 
 
@@ -183,7 +183,7 @@ class ModelRunner:
         """Run whole prompts through the S-Part (attention here, SDPA causal) and store
         their k, v in the backend. Returns the last-position logits [n, vocab] of every
         sequence and the ids whose KV was lost on the way (their logits are unusable).
-        KVCapacityError propagates."""
+        KVCapacityError propagates; any other backend failure as an AttentionError."""
         lens = [len(t) for t in token_lists]
         tokens = torch.tensor([t for ts in token_lists for t in ts], device=self.device)
         pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
@@ -210,6 +210,10 @@ class ModelRunner:
                     gone = set(e.seq_ids)
                     lost.extend(seq_ids[i] for i in alive if seq_ids[i] in gone)
                     alive = [i for i in alive if seq_ids[i] not in gone]
+                except AttentionError:
+                    raise
+                except Exception as e:      # e.g. a non-finite k: the engine fails this prefill, not itself
+                    raise AttentionError(f"{type(e).__name__}: {e}") from e
                 finally:
                     done = time.perf_counter()
                     self.times.backend_calls += done - t
