@@ -13,7 +13,7 @@ tokens on every device the logits may live on.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 
