@@ -1,14 +1,15 @@
 """The R-worker service: KV store + attention behind a gRPC stream.
 
-One KV store per process, shaped by the first client's Configure (the R-worker
-knows nothing of models). Every stream is a connection with its own namespace
-of sequence ids: a client's id s is stored as (connection << ID_BITS) | s, so two
-S-workers cannot collide, and a connection's sequences are freed when it ends.
+One KV store per process, shaped by Configure (the R-worker knows nothing of
+models); while any connected session uses that shape, another one is refused.
+Every stream is a connection with its own namespace of sequence ids: a client's
+id s is stored as (connection << ID_BITS) | s, so two S-workers cannot collide,
+and a connection's sequences are freed when it ends. Connection numbers are
+recycled below 2**CONNECTION_BITS so the stored ids stay within int64.
 Calls into the store are serialised by one lock; the store parallelises inside.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -23,10 +24,14 @@ from rworker.wire import WIRE_DTYPES, bf16_to_f32, encode_reply_o, f32_to_bf16
 log = logging.getLogger("rworker")
 
 ID_BITS = 40                                 # client sequence ids: 0 <= id < 2**40
+CONNECTION_BITS = 63 - ID_BITS               # connection numbers: 1 <= n < 2**23 (stored ids are int64)
 MAX_IDS_PER_CALL = 1 << 16
 MAX_SPAN_TOKENS = (1 << 31) - 1               # tokens of one sequence in one prefill (the store counts in int)
 KV_FORMATS = ("fp16", "int4")
 MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 4096, 4096, 1024
+# Bookkeeping of one open sequence outside the KV pool: the store's per-layer block table,
+# length and tail (kernel: a vector + 2 ints per layer) and its map entry, plus our id set.
+TABLE_BYTES_PER_LAYER, TABLE_BYTES_PER_SEQUENCE = 32, 256
 OK = grpc.StatusCode.OK
 
 
@@ -65,12 +70,21 @@ def _is_capacity_error(e: Exception) -> bool:
     return type(e).__name__ == "KVCapacityError"
 
 
-class Connection:
-    _numbers = itertools.count(1)
+def table_bytes(num_layers: int, sequences: int) -> int:
+    """Memory outside the KV pool that `sequences` open sequences of num_layers layers take."""
+    return sequences * (TABLE_BYTES_PER_SEQUENCE + TABLE_BYTES_PER_LAYER * num_layers)
 
-    def __init__(self, peer: str) -> None:
-        self.number = next(Connection._numbers)
-        self.base = self.number << ID_BITS
+
+def describe_shape(config: tuple | None) -> str:
+    if config is None:
+        return "none"
+    return "layers={} kv_heads={} head_dim={} format={}".format(*config)
+
+
+class Connection:
+    def __init__(self, peer: str, number: int = 1) -> None:
+        self.number = number
+        self.base = number << ID_BITS
         self.peer = peer
         self.config: tuple | None = None
         self.seqs: set[int] = set()          # client-side ids open on this connection
@@ -80,8 +94,11 @@ class Connection:
 class RWorkerService(pb_grpc.RWorkerServicer):
     def __init__(self, capacity_bytes: int, threads: int = 0, block_size: int = 16,
                  store_factory=default_store_factory, max_sequences: int = 1 << 18,
-                 int4_fp16_tail: bool = True, int4_k_group: int = 0, int4_v_group: int = 0) -> None:
+                 int4_fp16_tail: bool = True, int4_k_group: int = 0, int4_v_group: int = 0,
+                 max_sequences_per_connection: int = 1 << 16, max_table_bytes: int = 512 << 20) -> None:
         self.capacity_bytes = capacity_bytes
+        self.max_sequences_per_connection = max_sequences_per_connection
+        self.max_table_bytes = max_table_bytes
         self.int4_fp16_tail = int4_fp16_tail
         self.int4_groups = {"k_group": int4_k_group, "v_group": int4_v_group}  # 0: the kernel's default
         self.max_sequences = max_sequences
@@ -92,6 +109,7 @@ class RWorkerService(pb_grpc.RWorkerServicer):
         self.store_config: tuple | None = None
         self.lock = threading.Lock()          # guards the store and the bookkeeping below
         self.connections: dict[int, Connection] = {}
+        self.next_number = 1                  # the next connection number to try
         self.draining = threading.Event()
         self.on_drain = lambda: None          # the server flips its health status here
         self.busy_s = 0.0
@@ -99,9 +117,7 @@ class RWorkerService(pb_grpc.RWorkerServicer):
 
     # ---- stream -------------------------------------------------------------------------
     def Session(self, request_iterator, context):
-        conn = Connection(context.peer())
-        with self.lock:
-            self.connections[conn.number] = conn
+        conn = self._connect(context.peer())
         context.add_callback(lambda: self._release(conn))
         log.info("connection %d from %s", conn.number, conn.peer)
         try:
@@ -151,6 +167,19 @@ class RWorkerService(pb_grpc.RWorkerServicer):
             return encode_reply_o(reply, o, req.decode.q.dtype)
         return reply
 
+    def _connect(self, peer: str) -> Connection:
+        """A registered Connection with the next number not in use, wrapping below 2**CONNECTION_BITS."""
+        limit = 1 << CONNECTION_BITS
+        with self.lock:
+            if len(self.connections) >= limit - 1:
+                raise RuntimeError("no free connection number")
+            number = self.next_number
+            while number in self.connections:
+                number = number % (limit - 1) + 1
+            self.next_number = number % (limit - 1) + 1
+            conn = self.connections[number] = Connection(peer, number)
+        return conn
+
     def _release(self, conn: Connection) -> None:
         with self.lock:
             if self.connections.pop(conn.number, None) is None:
@@ -178,26 +207,43 @@ class RWorkerService(pb_grpc.RWorkerServicer):
                 raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
                                 "cannot reconfigure a connection with open sequences")
             if self.store_config != config:
-                if self.store is not None and self.store.stats()["sequences"] > 0:
-                    raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"this R-worker holds KV of shape {self.store_config}; "
-                                    f"cannot serve {config} until it is empty")
-                if self.store is not None and hasattr(self.store, "close"):
-                    self.store.close()          # free the old pool before allocating the new one
-                self.store, self.store_config = None, None  # a failed factory leaves no stale config
-                int4 = {"fp16_tail": self.int4_fp16_tail, **self.int4_groups} if c.kv_format == "int4" else {}
-                self.store = self.store_factory(
-                    num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                    capacity_bytes=self.capacity_bytes, block_size=self.block_size,
-                    kv_format=c.kv_format, num_threads=self.threads, **int4)
-                self.store_config = config
-                log.info("KV store: layers=%d kv_heads=%d head_dim=%d format=%s isa=%s", *config,
-                         getattr(self.store, "isa", "?"))
+                self._check_reshape_allowed(conn, config)
+                conn.config = None              # until the new store exists
+                self._build_store(config)
             conn.config = config
+
+    def _check_reshape_allowed(self, conn: Connection, config: tuple) -> None:
+        users = sum(1 for other in self.connections.values() if other is not conn and other.config is not None)
+        held = self.store.stats()["sequences"] if self.store is not None else 0
+        if users or held:
+            raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"this R-worker serves KV of shape ({describe_shape(self.store_config)}) to {users} "
+                            f"other connected session(s), {held} sequence(s) open; cannot switch to "
+                            f"({describe_shape(config)}) until they disconnect")
+
+    def _build_store(self, config: tuple) -> None:
+        """Replace the store (nobody uses it); when the new one fails to build, none is left and
+        every connection must Configure again (refused cleanly by _ids, never a call on None)."""
+        if self.store is not None and hasattr(self.store, "close"):
+            self.store.close()                  # free the old pool before allocating the new one
+        self.store, self.store_config = None, None
+        num_layers, num_kv_heads, head_dim, kv_format = config
+        int4 = {"fp16_tail": self.int4_fp16_tail, **self.int4_groups} if kv_format == "int4" else {}
+        self.store = self.store_factory(
+            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            capacity_bytes=self.capacity_bytes, block_size=self.block_size,
+            kv_format=kv_format, num_threads=self.threads, **int4)
+        self.store_config = config
+        log.info("KV store: layers=%d kv_heads=%d head_dim=%d format=%s isa=%s", *config,
+                 getattr(self.store, "isa", "?"))
 
     def _ids(self, conn: Connection, seq_ids) -> np.ndarray:
         if conn.config is None:
             raise CallError(grpc.StatusCode.FAILED_PRECONDITION, "Configure must be the first call")
+        if conn.config != self.store_config:
+            raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"this connection's KV shape ({describe_shape(conn.config)}) is not the store's "
+                            f"({describe_shape(self.store_config)}): Configure again")
         if len(seq_ids) > MAX_IDS_PER_CALL:
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"{len(seq_ids)} sequence ids in one call (at most {MAX_IDS_PER_CALL})")
@@ -214,19 +260,38 @@ class RWorkerService(pb_grpc.RWorkerServicer):
             raise CallError(grpc.StatusCode.ALREADY_EXISTS,
                             f"sequence id(s) already open: {sorted(conn.seqs.intersection(m.seq_ids))[:8]}")
         with self.lock:
-            if conn.closed:                  # the stream ended while this call waited for the lock
-                raise CallError(grpc.StatusCode.CANCELLED, "connection closed")
-            total = sum(len(c.seqs) for c in self.connections.values())
-            if total + len(ids) > self.max_sequences:
-                raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{total} sequences open, {len(ids)} more asked; this R-worker takes at most "
-                                f"{self.max_sequences} (--max-sequences)")
+            self._check_open(conn)
+            self._check_room(conn, len(ids))
             self.store.create(ids + conn.base)
             conn.seqs.update(m.seq_ids)
+
+    def _check_room(self, conn: Connection, more: int) -> None:
+        """The limits on open sequences: all clients, this connection, and their tables' memory."""
+        total = sum(len(c.seqs) for c in self.connections.values())
+        if total + more > self.max_sequences:
+            raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{total} sequences open, {more} more asked; this R-worker takes at most "
+                            f"{self.max_sequences} (--max-sequences)")
+        if len(conn.seqs) + more > self.max_sequences_per_connection:
+            raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{len(conn.seqs)} sequences open on this connection, {more} more asked; at most "
+                            f"{self.max_sequences_per_connection} per connection (--max-sequences-per-connection)")
+        tables = table_bytes(conn.config[0], total + more)
+        if tables > self.max_table_bytes:
+            raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{total + more} sequences of {conn.config[0]} layers need ~{tables} bytes of tables "
+                            f"outside the KV pool; at most {self.max_table_bytes} (--max-table-memory)")
+
+    @staticmethod
+    def _check_open(conn: Connection) -> None:
+        """Under the lock: the stream may have ended (its sequences freed) while this call waited."""
+        if conn.closed:
+            raise CallError(grpc.StatusCode.CANCELLED, "connection closed")
 
     def _close(self, conn: Connection, m: pb.Close) -> None:
         ids = self._ids(conn, m.seq_ids)
         with self.lock:
+            self._check_open(conn)
             self.store.free(ids + conn.base)
             conn.seqs.difference_update(m.seq_ids)
 
@@ -252,6 +317,7 @@ class RWorkerService(pb_grpc.RWorkerServicer):
         self._check_kv(conn, "k", k, total)
         self._check_kv(conn, "v", v, total)
         with self.lock:
+            self._check_open(conn)
             t0 = time.perf_counter()
             try:
                 self.store.append_span(m.layer, ids + conn.base, lens, k, v)
@@ -271,6 +337,7 @@ class RWorkerService(pb_grpc.RWorkerServicer):
         self._check_kv(conn, "k", k, rows)
         self._check_kv(conn, "v", v, rows)
         with self.lock:
+            self._check_open(conn)
             t0 = time.perf_counter()
             try:
                 o = self.store.decode(m.layer, ids + conn.base, q, k, v)

@@ -18,6 +18,33 @@ WIRE_DTYPES = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint
 HTTP2_OPTIONS = [("grpc.http2.lookahead_bytes", 16 << 20),
                  ("grpc.http2.max_frame_size", (1 << 24) - 1)]    # the largest HTTP/2 allows
 
+# Keepalive: each end pings the other while connected, with or without calls and data, and
+# drops a connection whose pings go unanswered. A dead or cut-off S-worker host then ends
+# its streams on the R-worker, which frees their KV; a dead R-worker breaks the S-worker's.
+# The server accepts client pings down to MIN_CLIENT_PING_INTERVAL_MS apart (closer ones are
+# strikes, and too many strikes close the connection): keep the client's interval above it.
+KEEPALIVE_TIME_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+MIN_CLIENT_PING_INTERVAL_MS = 10_000
+_PING_ALWAYS = [("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0)]         # 0: no cap on pings between data frames
+
+
+def _keepalive(time_ms: int, timeout_ms: int) -> list:
+    # ping_timeout: a keepalive ping that joins one already unanswered (e.g. a flow-control
+    # probe sent as the peer vanished) waits on that one, for a minute by default.
+    return [("grpc.keepalive_time_ms", time_ms), ("grpc.keepalive_timeout_ms", timeout_ms),
+            ("grpc.http2.ping_timeout_ms", timeout_ms), *_PING_ALWAYS]
+
+
+def client_keepalive_options(time_ms: int = KEEPALIVE_TIME_MS, timeout_ms: int = KEEPALIVE_TIMEOUT_MS) -> list:
+    return _keepalive(max(time_ms, MIN_CLIENT_PING_INTERVAL_MS), timeout_ms)
+
+
+def server_keepalive_options(time_ms: int = KEEPALIVE_TIME_MS, timeout_ms: int = KEEPALIVE_TIMEOUT_MS) -> list:
+    return [*_keepalive(time_ms, timeout_ms),
+            ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS)]
+
 
 # glibc hands every free()d block over 128 KB back to the OS (munmap, heap trim), so each
 # message buffer (protobuf, gRPC slices, numpy) of a call is fresh memory that page-faults

@@ -140,14 +140,16 @@ def test_k8s_manifest_fits_together():
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     (svc_port,) = svc["spec"]["ports"]
     assert ports[svc_port["targetPort"]] == svc_port["port"] == 50061
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"]["port"] == 50061, probe              # grpc.health.v1
 
     # The arguments are the real R-worker CLI's, after Kubernetes expands $(VAR).
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     expanded = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)].get("value", "10.0.0.7"), a) for a in c["args"]]
     args = rworker_parse_args(expanded)
+    health_port = int(args.health_listen.rsplit(":", 1)[1])       # plaintext grpc.health.v1 for kubelet
+    assert health_port != 50061 and health_port in ports.values()
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == health_port, probe
     assert args.listen == "10.0.0.7:50061" and args.kv_capacity == parse_size(env["KV_CAPACITY"]["value"])
     assert parse_size(c["resources"]["limits"]["memory"].replace("i", "")) > args.kv_capacity
 

@@ -119,7 +119,7 @@ def hosts() -> list[NetnsHost]:
 def fleet(hosts, tmp_path_factory):
     with LocalFleet(len(hosts), tmp_path_factory.mktemp("netns_fleet"), kv_capacity="16M", threads=1,
                     hosts=[h.ip for h in hosts], prefixes=[["ip", "netns", "exec", h.ns] for h in hosts],
-                    rworker_args=["--store", store_kind(), "--drain-timeout", "5"], stop_timeout=5.0) as f:
+                    rworker_args=["--store", store_kind(), "--drain-timeout", "5", "--insecure"], stop_timeout=5.0) as f:
         yield f
 
 
