@@ -49,7 +49,25 @@ class AttentionError(RuntimeError):
 
 
 class KVCapacityError(AttentionError):
-    """Out of KV capacity: nothing of the failed call was stored."""
+    """Out of KV capacity: nothing of the failed call was stored. With seq_ids (an R-worker
+    refused its share of a call): nothing of those sequences, and for a failed submit_decode
+    `output` is o of the whole batch, valid for every row whose sequence is not in seq_ids."""
+
+    def __init__(self, message: str = "", seq_ids: Sequence[int] | None = None,
+                 output: "torch.Tensor | None" = None) -> None:
+        super().__init__(message)
+        self.seq_ids = None if seq_ids is None else list(seq_ids)
+        self.output = output
+
+
+@dataclass(frozen=True)
+class KVRoom:
+    """Free KV of a backend that can tell, in pages: the KV of page_tokens tokens of one
+    sequence in every layer. A sequence of n tokens holds ceil(n / page_tokens) pages."""
+
+    page_tokens: int
+    free_pages: int
+    total_pages: int
 
 
 class SequencesLost(AttentionError):
@@ -98,6 +116,15 @@ class AttentionBackend(ABC):
     def decode(self, layer: int, seq_ids: Sequence[int], q: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.submit_decode(layer, seq_ids, q, k, v).result()
+
+    def kv_room(self) -> KVRoom | None:
+        """Free KV now, when this backend alone owns a pool it can count (None: it cannot tell;
+        capacity then shows only as KVCapacityError). Called every step: must be cheap."""
+        return None
+
+    def available(self) -> bool:
+        """Whether new sequences can be opened now (e.g. some R-worker is live); never blocks."""
+        return True
 
     def stats(self) -> dict:
         """At least {"sequences": int, "kv_tokens": int, "kv_bytes": int, "capacity_bytes": int},

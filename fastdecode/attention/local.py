@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from fastdecode.attention.base import AttentionBackend, KVSpec
+from fastdecode.attention.base import AttentionBackend, KVRoom, KVSpec
 from fastdecode.kernels import KVStore
 
 _KERNEL_DTYPES = (torch.float32, torch.float16)
@@ -101,6 +101,11 @@ class LocalAttention(AttentionBackend):
         missing = [i for i in ids if i not in self._open]
         if missing:
             raise KeyError(f"unknown sequence id(s) {missing[:8]}")
+
+    def kv_room(self) -> KVRoom:
+        st, layers = self.store.stats(), self.spec.num_layers     # a page: one block of every layer
+        return KVRoom(self.store.block_size, (st["blocks_total"] - st["blocks_used"]) // layers,
+                      st["blocks_total"] // layers)
 
     def stats(self) -> dict:
         st = self.store.stats()

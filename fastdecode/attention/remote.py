@@ -130,7 +130,12 @@ class _Worker:
                    ("grpc.max_receive_message_length", 4 * MAX_MESSAGE_BYTES),
                    ("grpc.enable_retries", 0),
                    ("grpc.initial_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 1000)]
+                   ("grpc.max_reconnect_backoff_ms", 1000),
+                   # keepalive as rworker.wire.client_keepalive_options(): a dead R-worker host breaks the
+                   # stream; pings stay >= the server's min interval (rworker.wire.MIN_CLIENT_PING_INTERVAL_MS)
+                   ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+                   ("grpc.http2.ping_timeout_ms", 10_000),
+                   ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
         if self.credentials is not None:
             return grpc.secure_channel(self.address, self.credentials, options=options)
         return grpc.insecure_channel(self.address, options=options)
@@ -269,6 +274,7 @@ class _Gather:
         self.lock = threading.Lock()
         self.remaining = parts
         self.lost_rows: list[np.ndarray] = []
+        self.refused_rows: list[np.ndarray] = []     # a worker's RESOURCE_EXHAUSTED: only its rows
         self.reason = ""
         self.error: Exception | None = None
         self.kernel_s = 0.0                  # of the slowest part
@@ -300,6 +306,10 @@ class _Gather:
                 self.parts.append((reply.recv_ns, reply.reply_ns, reply.kernel_s, read_ns, time.perf_counter_ns()))
         except WorkerLost as e:
             self.lose(rows, str(e))
+        except KVCapacityError as e:
+            with self.lock:
+                self.refused_rows.append(rows)
+                self.reason = self.reason or str(e)
         except Exception as e:  # noqa: BLE001 -- handed to the caller through the future
             with self.lock:
                 self.error = self.error or e
@@ -311,11 +321,14 @@ class _Gather:
 
     def finish(self) -> None:
         self.backend._account(time.perf_counter() - self.t0, self.kernel_s, self.handler_s)
-        if self.parts and self.error is None and not self.lost_rows:
+        if self.parts and self.error is None and not self.lost_rows and not self.refused_rows:
             self.backend.call_trace.append({"submit_ns": self.t0_ns, "encoded_ns": self.encoded_ns,
                                             "done_ns": time.perf_counter_ns(), "parts": self.parts})
         if self.error is not None:
             self.future.set_exception(self.error)
+        elif self.refused_rows:          # lost rows with them: the engine recomputes both alike
+            rows = np.unique(np.concatenate(self.refused_rows + self.lost_rows))
+            self.future.set_exception(KVCapacityError(self.reason, [self.seq_ids[i] for i in rows], self.out))
         elif self.lost_rows:
             rows = np.unique(np.concatenate(self.lost_rows))
             lost = [self.seq_ids[i] for i in rows]
@@ -716,17 +729,22 @@ class RemoteAttention(AttentionBackend):
                     req = pb.Request(prefill=pb.Prefill(layer=layer, seq_ids=chunk_ids, lens=chunk_lens,
                                                         k=to_tensor(kn[tok, hk]), v=to_tensor(vn[tok, hk])))
                     calls.append((g, w, chunk_ids, w.send(req)))
-        lost, error = [], None
+        lost, error, refused = [], None, []
         for g, w, ids, fut in calls:
             try:
                 reply = fut.result(timeout=self.timeout + 1.0)
-                if reply.code:
+                if reply.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:     # that worker's only
+                    refused.append((ids, f"R-worker {w.address}: {reply.message}"))
+                elif reply.code:
                     error = error or _reply_error(w.address, reply)
             except FutureTimeout:
                 w.fail(w.generation, f"no reply to Prefill within {self.timeout:g} s")
                 lost.extend(ids)
             except WorkerLost:
                 lost.extend(ids)
+        if refused:                      # lost ones with them: the engine recomputes both alike
+            ids = list(dict.fromkeys([s for r, _ in refused for s in r] + lost))
+            raise KVCapacityError(refused[0][1], ids)
         if lost:
             lost = list(dict.fromkeys(lost))
             raise SequencesLost(lost, self.lost_reason.get(lost[0], "R-worker lost"))
@@ -768,6 +786,9 @@ class RemoteAttention(AttentionBackend):
             self.decode_wall_s += wall_s
             self.decode_kernel_s += kernel_s
             self.decode_handler_s += handler_s
+
+    def available(self) -> bool:
+        return any(g.accepting for g in self.groups)
 
     def stats(self) -> dict:
         spec = self.spec

@@ -1,8 +1,8 @@
 """The engine: requests in, streamed tokens out.
 
-One step = schedule (abort, admit), run (decode the running batch with the
-backend, prefill the admitted prompts), postprocess (sample, detokenize, stop,
-free KV). Between steps requests join and leave (continuous batching).
+One step = schedule (abort, preempt, admit), run (decode the running batch with the
+backend, prefill the admitted prompts), postprocess (sample, detokenize, stop, free
+KV). Between steps requests join and leave (continuous batching).
 """
 from __future__ import annotations
 
@@ -22,15 +22,15 @@ from fastdecode.attention import AttentionError, KVCapacityError, KVSpec, create
 from fastdecode.config import EngineConfig
 from fastdecode.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from fastdecode.engine.model_runner import ModelRunner, StepTimes
+from fastdecode.engine.preemption import TOO_LONG, KVBackoff, KVPlan
 from fastdecode.engine.sampling import SamplingParams, sample
-from fastdecode.engine.sequence import RequestOutput, Sequence, Status
+from fastdecode.engine.sequence import RequestOutput, Sequence, Status, tokenize_prompt
 from fastdecode.model.loader import load_model
 from fastdecode.scheduler import Candidate, create_scheduler
 
 log = logging.getLogger("fastdecode.engine")
 TRACE_KEEP = 4096            # trace records kept in memory
 MAX_REBUILD_ATTEMPTS = 3     # re-prefills of a sequence whose KV keeps getting lost in one step
-ADMIT_RETRY_S = 0.05         # after the backend refused new KV for capacity: pause before asking again
 
 
 class Engine:
@@ -63,12 +63,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._error: str | None = None
-        # Admission after a KV capacity refusal (see _kv_retry_due): when it began (None: no
-        # refusal pending), when to ask again, and KV frees by running sequences since then.
-        self._kv_refused_at: float | None = None
-        self._kv_retry_at = 0.0
-        self._kv_frees = 0
-        self._kv_frees_at_refusal = 0
+        self.kv = KVPlan(lambda: self.backend.kv_room())
+        self._backoff = KVBackoff()
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
@@ -82,10 +78,9 @@ class Engine:
             params = SamplingParams.from_dict(params)
         elif not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
-        prompt_ids = self._tokenize(prompt)
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens; the model's limit is "
-                                      f"{self.max_model_len} tokens including at least one generated token")
+        prompt_ids = tokenize_prompt(prompt, self.tokenizer, self.args.vocab_size, self.max_model_len)
+        if (why := self.kv.too_long(len(prompt_ids))) is not None:
+            raise InvalidRequestError(f"prompt too long: {why}")
         request_id = str(request_id) if request_id is not None else uuid.uuid4().hex
         with self._lock:
             if request_id in self._requests:
@@ -104,23 +99,6 @@ class Engine:
             self._waiting.append(seq)
         self._wake.set()
         return request_id
-
-    def _tokenize(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            ids = self.tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            vocab = self.args.vocab_size
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:4]}")
-        else:
-            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise InvalidRequestError("prompt is empty (no tokens)")
-        return ids
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its KV is freed now (or at the end of a step in flight)."""
@@ -160,6 +138,7 @@ class Engine:
         t0 = time.perf_counter()
         self.runner.times = StepTimes()
         self._process_aborts()
+        self._make_room()
         decoding = list(self._running)
         admitted = self._admit()
         sampled: list[Sequence] = []
@@ -171,10 +150,9 @@ class Engine:
             sampled += [decoding[r] for r in res.rows]
             logits.append(res.logits)
             by_id = {s.seq_id: s for s in decoding}
-            for sid in res.out_of_kv:
-                self._finish(by_id[sid], "error", "out of KV capacity while decoding")
             for sid, why in res.failed.items():
                 self._finish(by_id[sid], "error", f"attention failed: {why}")
+            self._refused([by_id[sid] for sid in res.out_of_kv], "while decoding")
             rebuild = [by_id[sid] for sid in res.lost]
         else:
             rebuild = []
@@ -185,15 +163,19 @@ class Engine:
             batch = prefill + rebuild
             if not batch:
                 break
+            refused: list[int] = []
             try:
-                out, lost = self.runner.prefill([s.seq_id for s in batch], [s.all_ids for s in batch])
+                out, lost = self.runner.prefill([s.seq_id for s in batch], [s.all_ids for s in batch], refused)
             except AttentionError as e:
-                what = "out of KV capacity" if isinstance(e, KVCapacityError) else "attention backend failure"
-                for s in batch:
-                    self._finish(s, "error", f"{what} during prefill: {e}")
+                if isinstance(e, KVCapacityError):
+                    self._refused(batch, f"during prefill: {e}")
+                else:
+                    for s in batch:
+                        self._finish(s, "error", f"attention backend failure during prefill: {e}")
                 break
+            self._refused([s for s in batch if s.seq_id in refused], "during prefill")
             lost_set = set(lost)
-            keep = [i for i, s in enumerate(batch) if s.seq_id not in lost_set]
+            keep = [i for i, s in enumerate(batch) if s.seq_id not in lost_set and s.status is Status.RUNNING]
             sampled += [batch[i] for i in keep]
             logits.append(out[keep])
             prefill, rebuild = [], [s for s in batch if s.seq_id in lost_set]
@@ -204,18 +186,19 @@ class Engine:
         self._record(t0, len(sampled), len(admitted))
 
     def _candidate(self, seq: Sequence) -> Candidate:
-        """What the scheduler sees: the most context this request can really reach."""
-        room = self.max_model_len - len(seq.prompt_ids)
-        return Candidate(seq.seq_id, len(seq.prompt_ids), min(seq.params.max_tokens, room))
+        """What the scheduler sees: the most context this request can reach (a preempted one's too)."""
+        room = self.max_model_len - seq.num_tokens
+        return Candidate(seq.seq_id, seq.num_tokens, min(seq.params.max_tokens - len(seq.output_ids), room))
 
     def _admit(self) -> list[Sequence]:
         with self._lock:
             room = max(0, self.config.max_running - len(self._running))
             head = list(itertools.islice(self._waiting, room))
-        if not head or not self._kv_retry_due():
+        if not head or not self._backoff.due(bool(self._running)):
             return []
         cands = [self._candidate(s) for s in head]
         n = min(self.scheduler.admit(self._step, cands, len(self._running)), len(head))
+        n = min(n, self.kv.admissible(head[:n], self._running), self._backoff.limit() or n) if n > 0 else 0
         if n <= 0:
             return []
         n = self._open_kv(head[:n])
@@ -229,18 +212,6 @@ class Engine:
                 self._running.append(s)
         self.scheduler.on_admitted(self._step, cands[:n])
         return chosen
-
-    def _kv_retry_due(self) -> bool:
-        """After a capacity refusal, ask the backend again once a running sequence has freed its
-        KV or ADMIT_RETRY_S has passed (other clients of the R-workers free theirs too). With
-        nothing running here, wait out that pause in this step rather than spin."""
-        if self._kv_refused_at is None or self._kv_frees != self._kv_frees_at_refusal:
-            return True
-        delay = self._kv_retry_at - time.monotonic()
-        if delay > 0 and not self._running:
-            time.sleep(delay)
-            delay = 0
-        return delay <= 0
 
     def _open_kv(self, chosen: list[Sequence]) -> int:
         """Open KV for the longest prefix of `chosen` the backend has room for now (halving the
@@ -261,25 +232,13 @@ class Engine:
                 else:
                     log.exception("opening KV for %d sequence(s) failed", len(ids))
                     message = f"opening KV failed: {type(e).__name__}: {e}"
-                    try:
-                        self.backend.close(ids)          # whatever it left open (close is idempotent)
-                    except Exception:  # noqa: BLE001
-                        log.exception("closing KV after a failed open failed")
+                    self._close_kv(chosen[:k])          # whatever it left open (close is idempotent)
                 for s in chosen[:k]:
                     self._finish(s, "error", message)
                 return 0
-            if self._kv_refused_at is not None:
-                log.info("KV capacity for new sequences again after %.2f s",
-                         time.monotonic() - self._kv_refused_at)
-                self._kv_refused_at = None
+            self._backoff.accepted()
             return k
-        now = time.monotonic()
-        if self._kv_refused_at is None:
-            self._kv_refused_at = now
-            log.warning("no KV capacity for new sequences (%s); %d request(s) wait for KV to be freed",
-                        refusal, len(self._waiting))
-        self._kv_retry_at = now + ADMIT_RETRY_S
-        self._kv_frees_at_refusal = self._kv_frees
+        self._backoff.refused(refusal, len(self._waiting))
         return 0
 
     def _reopen(self, seqs: list[Sequence], last_try: bool) -> list[Sequence]:
@@ -327,11 +286,8 @@ class Engine:
     def _release(self, s: Sequence) -> None:
         was_running = s in self._running
         if was_running:
-            try:
-                self.backend.close([s.seq_id])
-            except Exception:            # freeing must not take the engine down
-                log.exception("closing KV of sequence %d failed", s.seq_id)
-            self._kv_frees += 1
+            self._close_kv([s])
+            self._backoff.frees += 1
             self.scheduler.on_finished(self._step, s.seq_id, len(s.output_ids))
         with self._lock:
             if was_running:
@@ -340,6 +296,43 @@ class Engine:
                 self._waiting.remove(s)
             self._requests.pop(s.request_id, None)
             self._aborts.discard(s.request_id)
+
+    def _close_kv(self, seqs: list[Sequence]) -> None:
+        try:
+            self.backend.close([s.seq_id for s in seqs])
+        except Exception:            # freeing must not take the engine down
+            log.exception("closing KV of sequence(s) %s failed", [s.seq_id for s in seqs][:8])
+
+    def _make_room(self) -> None:
+        """Before a decode step: preempt the youngest running sequences the KV store cannot grow."""
+        doomed, victims = self.kv.victims(self._running)
+        for s in doomed:
+            self._finish(s, "error", TOO_LONG)
+        self._preempt(victims)
+
+    def _refused(self, seqs: list[Sequence], when: str) -> None:
+        """The backend had no KV for these running sequences in the step: preempt them (and pause
+        admission until KV is freed), unless one is all that runs: it ends with an error."""
+        if len(self._running) == 1 and seqs:
+            self._finish(seqs[0], "error", f"out of KV capacity {when}")
+        elif seqs:
+            self._preempt(seqs)
+            self._backoff.refused(f"KV refused {when}", len(self._waiting), cap=max(1, len(seqs) // 2))
+
+    def _preempt(self, seqs: list[Sequence]) -> None:
+        """Free these running sequences' KV; they wait first in line, to be recomputed (preemption.py)."""
+        if not seqs:
+            return
+        self._close_kv(seqs)
+        with self._lock:
+            for s in sorted(seqs, key=lambda s: s.seq_id, reverse=True):
+                self._running.remove(s)
+                s.status = Status.WAITING
+                self._waiting.appendleft(s)
+        for s in seqs:
+            self.scheduler.on_preempted(self._step, s.seq_id)
+        self.kv.preemptions += len(seqs)
+        log.info("preempted %d sequence(s) for lack of KV; %d run on", len(seqs), len(self._running))
 
     def _emit(self, s: Sequence, tokens: list[int]) -> None:
         out = s.take_output(tokens)
@@ -439,8 +432,14 @@ class Engine:
         """The most recent per-step records (at most TRACE_KEEP), oldest first."""
         return list(self._trace)
 
+    @property
+    def ready(self) -> bool:
+        """For a readiness probe: healthy, and the backend can open KV (a live R-worker, say)."""
+        return self.healthy and self.backend.available()
+
     def stats(self) -> dict:
         with self._lock:
             running, waiting = len(self._running), len(self._waiting)
-        return {"healthy": self.healthy, "running": running, "waiting": waiting, "steps": self._step,
-                "tokens": self._tokens_out, "kv": self.backend.stats(), "scheduler": self.scheduler.stats()}
+        return {"healthy": self.healthy, "ready": self.ready, "running": running, "waiting": waiting,
+                "steps": self._step, "tokens": self._tokens_out, "preemptions": self.kv.preemptions,
+                "kv": self.backend.stats(), "scheduler": self.scheduler.stats()}

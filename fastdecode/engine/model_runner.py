@@ -10,7 +10,9 @@ whole batch at once: there is nothing to overlap.
     backend:            attn(i) A                           attn(i) B
 
 Sequences whose KV a backend loses (SequencesLost) drop out of the step; the
-engine rebuilds them by prefilling all their tokens again. Any other attention
+engine rebuilds them by prefilling all their tokens again. So do those the backend
+has no KV for (KVCapacityError: the mini-batch, or an R-worker's rows of it): the
+engine preempts them (fastdecode/engine/preemption.py). Any other attention
 failure ends only the sequences it concerns: rows whose q, k or v are not finite
 (or beyond fp16's range, which the KV cache stores) are failed and the rest of
 the mini-batch retried once; a failure with no such row fails the mini-batch.
@@ -127,15 +129,9 @@ class ModelRunner:
         try:
             o = future.result()
         except SequencesLost as e:
-            gone = set(e.seq_ids) if e.output is not None else set(mb.seq_ids)
-            lost.extend(s for s in mb.seq_ids if s in gone)
-            keep = [i for i, s in enumerate(mb.seq_ids) if s not in gone]
-            o = e.output[keep] if keep else None
-            self._keep(mb, keep)
-        except KVCapacityError:
-            out_of_kv.extend(mb.seq_ids)
-            self._keep(mb, [])
-            o = None
+            o = self._drop(mb, e, lost)
+        except KVCapacityError as e:
+            o = self._drop(mb, e, out_of_kv)
         except Exception as e:
             o = self._isolate_failure(layer, mb, e, failed)
         finally:
@@ -169,6 +165,14 @@ class ModelRunner:
             self._keep(mb, [])
             return None
 
+    def _drop(self, mb: MiniBatch, e: SequencesLost | KVCapacityError, into: list[int]):
+        """Drop the rows `e` names (all without a partial output) into `into`; -> o of the rest."""
+        gone = set(e.seq_ids) if e.seq_ids is not None and e.output is not None else set(mb.seq_ids)
+        into.extend(s for s in mb.seq_ids if s in gone)
+        keep = [i for i, s in enumerate(mb.seq_ids) if s not in gone]
+        self._keep(mb, keep)
+        return e.output[keep] if keep else None
+
     @staticmethod
     def _keep(mb: MiniBatch, keep: list[int]) -> None:
         idx = torch.tensor(keep, dtype=torch.long)
@@ -179,11 +183,14 @@ class ModelRunner:
         mb.rope = (mb.rope[0][idx], mb.rope[1][idx])
 
     # -- prefill ------------------------------------------------------------------------
-    def prefill(self, seq_ids: list[int], token_lists: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+    def prefill(self, seq_ids: list[int], token_lists: list[list[int]],
+                refused: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
         """Run whole prompts through the S-Part (attention here, SDPA causal) and store
         their k, v in the backend. Returns the last-position logits [n, vocab] of every
         sequence and the ids whose KV was lost on the way (their logits are unusable).
-        KVCapacityError propagates; any other backend failure as an AttentionError."""
+        With `refused`, the ids an R-worker refused KV for are dropped into it like lost ones;
+        else, and for a whole call refused, KVCapacityError propagates; any other backend
+        failure as an AttentionError."""
         lens = [len(t) for t in token_lists]
         tokens = torch.tensor([t for ts in token_lists for t in ts], device=self.device)
         pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
@@ -206,9 +213,12 @@ class ModelRunner:
                 t = time.perf_counter()
                 try:
                     self.backend.prefill(layer, [seq_ids[i] for i in alive], [lens[i] for i in alive], ks, vs)
-                except SequencesLost as e:
+                except (SequencesLost, KVCapacityError) as e:
+                    if isinstance(e, KVCapacityError) and (refused is None or e.seq_ids is None):
+                        raise
                     gone = set(e.seq_ids)
-                    lost.extend(seq_ids[i] for i in alive if seq_ids[i] in gone)
+                    (lost if isinstance(e, SequencesLost) else refused).extend(
+                        seq_ids[i] for i in alive if seq_ids[i] in gone)
                     alive = [i for i in alive if seq_ids[i] not in gone]
                 except AttentionError:
                     raise

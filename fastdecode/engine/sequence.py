@@ -9,7 +9,12 @@ from typing import Callable
 import torch
 
 from fastdecode.engine.detokenizer import IncrementalDetokenizer
+from fastdecode.engine.errors import InvalidRequestError
 from fastdecode.engine.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 16        # stop strings of one request; each is looked for at every token
+MAX_STOP_CHARS = 256         # characters of one stop string
+MAX_CHARS_PER_TOKEN = 32     # a text prompt longer than max_model_len times this is refused untokenized
 
 
 @dataclass
@@ -33,6 +38,7 @@ class Status(enum.Enum):
 class Sequence:
     def __init__(self, seq_id: int, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  tokenizer, on_output: Callable[[RequestOutput], None] | None) -> None:
+        check_stop_strings(params.stop)
         self.seq_id = seq_id
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -75,8 +81,8 @@ class Sequence:
     def _check_stop_strings(self, before: int) -> None:
         if not self.params.stop or len(self.text) == before:
             return
-        start = max(0, before - self.hold)
-        hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
+        text = self.text     # a new match ends in the new text: look only from len(stop) - 1 before it
+        hits = [i for i in (text.find(s, max(0, before - len(s) + 1)) for s in self.params.stop) if i >= 0]
         if hits:
             self.text = self.text[:min(hits)]
             self.finish("stop", flush=False)
@@ -96,3 +102,41 @@ class Sequence:
         text, self.sent = self.text[self.sent:end], end
         return RequestOutput(self.request_id, new_tokens, text, self.finished, self.finish_reason,
                              len(self.prompt_ids), len(self.output_ids), self.error)
+
+
+def check_stop_strings(stop: tuple[str, ...]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    longest = max(map(len, stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise InvalidRequestError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}")
+
+
+def tokenize_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
+    """The prompt's token ids, checked (at most max_model_len - 1: one is generated); a prompt
+    far too long is refused before any per-token work."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        if len(prompt) > max_model_len * MAX_CHARS_PER_TOKEN:
+            raise InvalidRequestError(f"prompt has {len(prompt)} characters, far more than the model's limit of "
+                                      f"{max_model_len} tokens can hold")
+        ids = tokenizer(prompt)["input_ids"]
+    elif isinstance(prompt, (list, tuple)):
+        _check_length(len(prompt), max_model_len)
+        ids = list(prompt)
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:4]}")
+    else:
+        raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise InvalidRequestError("prompt is empty (no tokens)")
+    _check_length(len(ids), max_model_len)
+    return ids
+
+
+def _check_length(num_tokens: int, max_model_len: int) -> None:
+    if num_tokens >= max_model_len:
+        raise InvalidRequestError(f"prompt has {num_tokens} tokens; the model's limit is {max_model_len} "
+                                  "tokens including at least one generated token")

@@ -6,6 +6,9 @@ The engine calls, once per step and in this order:
     scheduler.on_admitted(step, waiting[:n])
 and, when a running request ends (any reason, early or not):
     scheduler.on_finished(step, request_id, generated_tokens)
+or is preempted (its KV freed; it waits again, and is admitted again as a request of
+its prompt and generated tokens with the rest of its max_tokens):
+    scheduler.on_preempted(step, request_id)
 """
 from __future__ import annotations
 
@@ -51,6 +54,9 @@ class Scheduler(ABC):
         pass
 
     def on_finished(self, step: int, request_id: int, generated_tokens: int) -> None:
+        pass
+
+    def on_preempted(self, step: int, request_id: int) -> None:
         pass
 
     def stats(self) -> dict:

@@ -367,6 +367,9 @@ class SLSScheduler(Scheduler):
             self.plan.remove(request_id)
             self._lifetimes.append(max(1, generated_tokens))
 
+    def on_preempted(self, step: int, request_id: int) -> None:
+        self.plan.remove(request_id)          # its load returns with its next admission
+
     def stats(self) -> dict:
         s = self.plan.stats(self.step)
         w_lim = self.w_lim()
