@@ -45,7 +45,7 @@ class EngineConfig:
     kernel_threads: int = 0               # 0 = all cores
 
     # batching and admission
-    max_running: int = 256                # sequences decoding at once
+    max_running: int = 512                # sequences decoding at once
     max_waiting: int = 4096               # queued requests before new ones are refused
     max_prefill_tokens: int = 4096        # prompt tokens prefilled in one step
     num_minibatches: int = 2              # ping-pong mini-batches (PAPER.md, "Pipeline")

@@ -13,6 +13,9 @@ pb_utils.MetricFamily in Triton, a fake in the tests.
     fastdecode_requests_running                 gauge
     fastdecode_requests_waiting                 gauge
     fastdecode_kv_tokens{rworker}               gauge (KV tokens held by each R-worker; "local" in-process)
+    fastdecode_ready                            gauge (1 while the engine takes requests; 0 while no
+                                                R-worker is reachable or the engine crashed)
+    fastdecode_preemptions_total                counter (sequences preempted for KV and requeued)
 
 From the engine's per-step trace (engine.trace; fastdecode/trace.py), each step counted once:
     fastdecode_steps_total                      counter (engine steps)
@@ -89,6 +92,10 @@ class Metrics:
         self.running = sink.gauge("fastdecode_requests_running", "Sequences decoding", self.labels)
         self.waiting = sink.gauge("fastdecode_requests_waiting", "Requests queued for admission", self.labels)
         self.kv = {}                                   # R-worker address -> gauge, made on first sight
+        self.ready = sink.gauge("fastdecode_ready", "1 while the engine takes requests", self.labels)
+        self.preemptions = sink.counter("fastdecode_preemptions_total",
+                                        "Sequences preempted for lack of KV and requeued for recompute", self.labels)
+        self._preemptions_seen = 0
         self.steps = sink.counter("fastdecode_steps_total", "Engine steps", self.labels)
         self.step_seconds = sink.counter("fastdecode_step_seconds_total", "Time in engine steps", self.labels)
         self.parts = {k: sink.counter(name, desc, self.labels) for k, (name, desc) in PART_COUNTERS.items()}
@@ -138,6 +145,8 @@ class Metrics:
         if stats is not None:
             self.running.set(float(stats.get("running", 0)))
             self.waiting.set(float(stats.get("waiting", 0)))
+            self.ready.set(1.0 if stats.get("ready", stats.get("healthy", True)) else 0.0)
+            self._flush_preemptions(stats.get("preemptions"))
             for address, n in kv_tokens_by_worker(stats).items():
                 if address not in self.kv:
                     self.kv[address] = self.sink.gauge("fastdecode_kv_tokens", "KV-cache tokens held, per R-worker",
@@ -147,6 +156,11 @@ class Metrics:
             self._flush_steps(step_totals(self.trace_cursor.take(trace)), stats)
         if stats is not None:
             self._flush_scheduler(stats.get("scheduler") or {})
+
+    def _flush_preemptions(self, total) -> None:
+        if isinstance(total, int) and total > self._preemptions_seen:
+            self.preemptions.increment(total - self._preemptions_seen)
+            self._preemptions_seen = total
 
     def _flush_steps(self, t: dict, stats: dict | None) -> None:
         if t:
