@@ -1,0 +1,378 @@
+"""The OpenAI-compatible frontend (openai_frontend) over raw HTTP, in front of a real tritonserver
+with the tiny test model (test_triton's `server` fixture: one per module). Wire format, errors,
+fan-out and cancellation; tests/test_openai_sdk.py drives it with the openai SDK."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from fastdecode.serve import free_port, tritonserver_binary
+from openai_frontend.testing import Frontend, engine_load, post, wait_for, with_chat_template
+from test_triton import fleet, server  # noqa: F401  (test_triton's deployment fixtures)
+
+pytestmark = [pytest.mark.triton,
+              pytest.mark.skipif(not tritonserver_binary().exists(),
+                                 reason=f"tritonserver binary missing ({tritonserver_binary()})")]
+
+NAME = "tiny"
+PROMPT = "Hello, world! Привет, мир! 🙂"
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tiny_model_dir, tmp_path_factory):
+    return with_chat_template(tiny_model_dir, tmp_path_factory.mktemp("chat_model"))
+
+
+@pytest.fixture(scope="module")
+def api(server, chat_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("openai_frontend") / "frontend.log"
+    with Frontend(server.grpc_url, chat_model_dir, free_port(), name=NAME, log_path=log) as f:
+        yield f
+    assert not f.killed and f.exit_code == 0, f.log()
+
+
+def url(api, path):
+    return f"{api.url}/v1/{path}"
+
+
+def triton_text(server, prompt, **sampling):
+    """Triton's own generate endpoint, greedy."""
+    status, body = post(f"http://{server.http_url}/v2/models/fastdecode/generate",
+                        {"text_input": prompt, "exclude_input_in_output": True,
+                         "parameters": {"temperature": 0.0, **sampling}})
+    assert status == 200, body
+    return body["text_output"]
+
+
+def sse_events(api, path, body, timeout=60) -> list:
+    events = []
+    with httpx.stream("POST", url(api, path), json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    return events[:-1]
+
+
+def assert_openai_error(status, body, expected_status, param=None):
+    assert status == expected_status, body
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param, body
+
+
+# ---- happy paths
+
+def test_models_lists_the_served_model(api):
+    listing = httpx.get(url(api, "models")).json()
+    assert listing["object"] == "list" and [m["id"] for m in listing["data"]] == [NAME]
+    assert httpx.get(url(api, f"models/{NAME}")).json()["id"] == NAME
+    r = httpx.get(url(api, "models/other"))
+    assert_openai_error(r.status_code, r.json(), 404, "model")
+
+
+def test_greedy_completion_equals_triton_generate(api, server):
+    status, body = post(url(api, "completions"), {"model": NAME, "prompt": PROMPT, "max_tokens": 24, "temperature": 0})
+    assert status == 200, body
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    (choice,) = body["choices"]
+    assert choice["text"] == triton_text(server, PROMPT, max_tokens=24) and choice["text"]
+    assert choice["finish_reason"] == "length" and choice["index"] == 0
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 24 and usage["prompt_tokens"] > 5
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 24
+
+
+def test_streamed_completion_is_sse_chunks_with_usage(api):
+    request = {"model": NAME, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    _, whole = post(url(api, "completions"), request)
+    events = sse_events(api, "completions", {**request, "stream": True, "stream_options": {"include_usage": True}})
+    *chunks, last = events
+    assert len(chunks) > 1
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in events)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    assert all(c["usage"] is None for c in chunks)
+    assert last["choices"] == [] and last["usage"] == whole["usage"]
+
+
+def test_echo_prepends_the_prompt(api):
+    request = {"model": NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    _, plain = post(url(api, "completions"), request)
+    _, echoed = post(url(api, "completions"), {**request, "echo": True})
+    assert echoed["choices"][0]["text"] == PROMPT + plain["choices"][0]["text"]
+
+
+def test_chat_renders_the_checkpoint_template(api, server, chat_model_dir):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    prompt = AutoTokenizer.from_pretrained(chat_model_dir).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False)
+    assert "<|assistant|>" in prompt
+    status, body = post(url(api, "chat/completions"), {"model": NAME, "messages": messages, "max_tokens": 16,
+                                                       "temperature": 0})
+    assert status == 200, body
+    assert body["object"] == "chat.completion"
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": triton_text(server, prompt, max_tokens=16)}
+    assert body["usage"]["completion_tokens"] == 16
+    # content as a list of text parts, and max_completion_tokens over max_tokens
+    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": PROMPT[:6]},
+                                                       {"type": "text", "text": PROMPT[6:]}]}]
+    _, same = post(url(api, "chat/completions"), {"model": NAME, "messages": parts, "max_tokens": 4,
+                                                  "max_completion_tokens": 16, "temperature": 0})
+    assert same["choices"][0]["message"] == choice["message"]
+
+
+def test_streamed_chat_starts_with_the_role(api):
+    request = {"model": NAME, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12, "temperature": 0}
+    _, whole = post(url(api, "chat/completions"), request)
+    chunks = sse_events(api, "chat/completions", {**request, "stream": True})
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == \
+        whole["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in c for c in chunks)
+
+
+def test_chat_without_max_tokens_runs_to_the_context(api, server):
+    status, body = post(url(api, "chat/completions"), {"model": NAME, "messages": [{"role": "user", "content": "Hi"}],
+                                                       "temperature": 0})
+    assert status == 200, body
+    usage = body["usage"]
+    assert body["choices"][0]["finish_reason"] == "stop" or usage["prompt_tokens"] + usage["completion_tokens"] == 512
+
+
+def test_n_fans_out_one_request_per_choice(api):
+    greedy = {"model": NAME, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "n": 2}
+    _, body = post(url(api, "completions"), greedy)
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["choices"][0]["text"] == body["choices"][1]["text"]
+    assert body["usage"]["completion_tokens"] == 24
+    _, single = post(url(api, "completions"), {**greedy, "n": 1})
+    assert body["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"]   # one prompt, counted once
+
+    sampled = {"model": NAME, "prompt": PROMPT, "max_tokens": 16, "temperature": 1.0, "seed": 7, "n": 3}
+    _, a = post(url(api, "completions"), sampled)
+    _, b = post(url(api, "completions"), sampled)
+    texts = [c["text"] for c in a["choices"]]
+    assert texts == [c["text"] for c in b["choices"]]             # seeded: reproducible
+    assert len(set(texts)) > 1                                      # each choice its own seed
+    chunks = sse_events(api, "completions", {**sampled, "stream": True})
+    streamed = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in range(3)]
+    assert streamed == texts
+
+    _, two_prompts = post(url(api, "completions"), {**greedy, "prompt": [PROMPT, "Another one"]})
+    assert [c["index"] for c in two_prompts["choices"]] == [0, 1, 2, 3]
+    assert two_prompts["choices"][0]["text"] == body["choices"][0]["text"]
+
+
+def test_stop_and_seed_pass_through(api, server):
+    _, base = post(url(api, "completions"), {"model": NAME, "prompt": PROMPT, "max_tokens": 24, "temperature": 0})
+    text = base["choices"][0]["text"]
+    at = next(i for i in range(len(text) // 2, len(text)) if "\ufffd" not in text[i:i + 2])
+    stop = text[at:at + 2]
+    _, stopped = post(url(api, "completions"), {"model": NAME, "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                                                "stop": [stop]})
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["choices"][0]["text"] == triton_text(server, PROMPT, max_tokens=24, stop=stop)
+    assert len(stopped["choices"][0]["text"]) < len(text)
+
+
+# ---- bad input
+
+GOOD = {"model": NAME, "prompt": "ok", "max_tokens": 2}
+GOOD_CHAT = {"model": NAME, "messages": [{"role": "user", "content": "ok"}], "max_tokens": 2}
+
+GARBAGE = [
+    ("completions", b"{not json", 400, None),
+    ("completions", b"", 400, None),
+    ("completions", b"[1, 2, 3]", 400, None),
+    ("completions", {"prompt": "x"}, 400, "model"),
+    ("completions", {**GOOD, "max_tokens": -1}, 400, "max_tokens"),
+    ("completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {**GOOD, "max_tokens": "many"}, 400, "max_tokens"),
+    ("completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
+    ("completions", {**GOOD, "temperature": -1}, 400, "temperature"),
+    ("completions", {**GOOD, "top_p": 1.5}, 400, "top_p"),
+    ("completions", {**GOOD, "n": 0}, 400, "n"),
+    ("completions", {**GOOD, "seed": -3}, 400, "seed"),
+    ("completions", {**GOOD, "stop": 5}, 400, "stop"),
+    ("completions", {**GOOD, "prompt": ""}, 400, "prompt"),
+    ("completions", {**GOOD, "prompt": None}, 400, "prompt"),
+    ("completions", {**GOOD, "prompt": [1, 2, 3]}, 400, "prompt"),
+    ("completions", {**GOOD, "logprobs": 2}, 400, "logprobs"),
+    ("completions", {**GOOD, "model": "gpt-4"}, 404, "model"),
+    ("completions", {**GOOD, "stream": "yes please"}, 400, "stream"),
+    ("completions", {**GOOD, "top_k": "x"}, 400, "top_k"),           # the engine's own check, relayed
+    ("chat/completions", {**GOOD_CHAT, "messages": []}, 400, "messages"),
+    ("chat/completions", {**GOOD_CHAT, "messages": "hi"}, 400, "messages"),
+    ("chat/completions", {**GOOD_CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ("chat/completions", {**GOOD_CHAT, "messages": [{"content": "x"}]}, 400, "messages.0.role"),
+    ("chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages.0.content"),
+    ("chat/completions", {**GOOD_CHAT, "logprobs": True}, 400, "logprobs"),
+    ("chat/completions", {**GOOD_CHAT, "max_completion_tokens": -5}, 400, "max_completion_tokens"),
+    ("chat/completions", {**GOOD_CHAT, "model": "nope"}, 404, "model"),
+    ("chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", GARBAGE,
+                         ids=[f"{p}-{i}" for i, (p, *_) in enumerate(GARBAGE)])
+def test_garbage_gets_an_openai_error_and_the_server_keeps_serving(api, path, body, status, param):
+    got, error = post(url(api, path), body)
+    assert_openai_error(got, error, status, param)
+    if isinstance(body, dict) and "stream" not in body:     # the same garbage streamed: refused before any event
+        got, error = post(url(api, path), {**body, "stream": True})
+        assert_openai_error(got, error, status, param)
+    good = GOOD_CHAT if path.startswith("chat") else GOOD
+    ok, reply = post(url(api, path), good)
+    assert ok == 200, reply
+
+
+def test_unknown_routes_and_methods_are_openai_errors(api):
+    r = httpx.get(url(api, "completions"))
+    assert_openai_error(r.status_code, r.json(), 405)
+    r = httpx.post(url(api, "embeddings"), json={"model": NAME, "input": "x"})
+    assert_openai_error(r.status_code, r.json(), 404)
+
+
+def test_a_body_is_json_whatever_its_content_type(api):
+    """`curl -d` sends application/x-www-form-urlencoded."""
+    for content_type in ("application/x-www-form-urlencoded", "text/plain"):
+        r = httpx.post(url(api, "completions"), content=json.dumps(GOOD), headers={"Content-Type": content_type})
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("param,value", [("frequency_penalty", 0.5), ("presence_penalty", 0.5),
+                                         ("repetition_penalty", 1.3), ("min_p", 0.1), ("min_tokens", 3)])
+def test_sampling_parameter_served_or_refused_by_name(api, param, value):
+    """Passed through to the engine: it either applies it or the client gets a 400 naming it."""
+    status, body = post(url(api, "completions"), {**GOOD, param: value})
+    if status != 200:
+        assert_openai_error(status, body, 400, param)
+        assert param in body["error"]["message"] and "not supported" in body["error"]["message"]
+    # the no-op value is not sent at all: every engine serves it
+    noop = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0}
+    status, body = post(url(api, "completions"), {**GOOD, param: noop[param]})
+    assert status == 200, body
+
+
+def test_engine_messages_map_to_openai_errors():
+    from openai_frontend.errors import from_triton
+
+    e = from_triton("invalid request: unknown sampling parameter(s) ['frequency_penalty', 'min_p']; known: ['seed']")
+    assert (e.status, e.param, e.code) == (400, "frequency_penalty", "unsupported_parameter")
+    assert "'frequency_penalty', 'min_p'" in e.message and "not supported" in e.message
+    e = from_triton("invalid request: top_k must be an integer >= 1, or 0 / -1 for off, got 'x'")
+    assert (e.status, e.param) == (400, "top_k")
+    assert from_triton("server overloaded, retry later: 9 requests are waiting").status == 503
+    assert from_triton("model unavailable: engine is not healthy").status == 503
+    assert from_triton("internal error: KeyError: 3").status == 500
+
+
+# ---- readiness and cancellation
+
+def test_not_ready_is_503(chat_model_dir):
+    from openai_frontend.app import Settings, create_app
+
+    app = create_app(Settings(triton_url=f"127.0.0.1:{free_port()}", model_dir=str(chat_model_dir),
+                              served_model_name=NAME))
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://frontend") as c:
+            replies = [await c.get("/health"),
+                       await c.post("/v1/completions", json=GOOD),
+                       await c.post("/v1/chat/completions", json={**GOOD_CHAT, "stream": True}),
+                       await c.get("/v1/models")]
+        await app.state.triton.close()
+        return replies
+
+    health, completion, chat, models = asyncio.run(run())
+    for r in (health, completion, chat):
+        assert_openai_error(r.status_code, r.json(), 503)
+        assert r.json()["error"]["code"] == "model_not_ready"
+    assert models.status_code == 200
+
+
+def idle(server) -> bool:
+    load = engine_load(server.metrics_url)
+    return load["running"] == load["waiting"] == load["kv_tokens"] == 0
+
+
+def cancelled(server) -> float:
+    return engine_load(server.metrics_url)["cancelled"]
+
+
+LONG = {"model": NAME, "prompt": "Tell a long story.", "max_tokens": 450, "ignore_eos": True, "temperature": 0}
+
+
+def test_client_leaving_a_stream_cancels_its_requests(api, server):
+    assert wait_for(lambda: idle(server))
+    before = cancelled(server)
+    with httpx.stream("POST", url(api, "completions"), json={**LONG, "stream": True, "n": 2}, timeout=60) as r:
+        assert r.status_code == 200
+        events = (line for line in r.iter_lines() if line)
+        for _ in range(6):
+            assert next(events).startswith("data: {")
+        assert wait_for(lambda: engine_load(server.metrics_url)["running"] == 2)
+    # the connection is closed here, mid-stream
+    assert wait_for(lambda: idle(server)), engine_load(server.metrics_url)
+    assert wait_for(lambda: cancelled(server) == before + 2, timeout=5), (cancelled(server), before)
+    status, body = post(url(api, "completions"), GOOD)
+    assert status == 200, body
+
+
+def test_client_leaving_a_non_streamed_request_cancels_it(api, server):
+    assert wait_for(lambda: idle(server))
+    before = cancelled(server)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url(api, "chat/completions"), timeout=1.0,
+                   json={**GOOD_CHAT, "max_tokens": 450, "ignore_eos": True})
+    assert wait_for(lambda: idle(server)), engine_load(server.metrics_url)
+    assert wait_for(lambda: cancelled(server) == before + 1, timeout=5), (cancelled(server), before)
+
+
+# ---- last: crashes the engine, then reloads the model
+
+def test_a_crashed_engine_ends_streams_with_an_error_and_is_503_until_reloaded(api, server):
+    import tritonclient.grpc as grpcclient
+
+    triton = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        # read a few events of a stream, then crash the engine under it
+        with httpx.stream("POST", url(api, "completions"), json={**LONG, "stream": True}, timeout=60) as r:
+            lines = (line for line in r.iter_lines() if line)
+            for _ in range(3):
+                assert next(lines).startswith("data: {")
+            server.crash_flag.write_text("crash")
+            rest = list(lines)
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: "):])
+        assert set(error) == {"error"} and error["error"]["message"], rest[-2]
+
+        assert wait_for(lambda: not triton.is_model_ready("fastdecode"))
+        assert wait_for(lambda: post(url(api, "completions"), GOOD)[0] == 503, timeout=5)
+        status, body = post(url(api, "chat/completions"), GOOD_CHAT)
+        assert_openai_error(status, body, 503)
+        assert body["error"]["code"] == "model_not_ready"
+        assert httpx.get(f"{api.url}/health").status_code == 503
+    finally:
+        server.crash_flag.unlink(missing_ok=True)
+    triton.load_model("fastdecode")
+    assert triton.is_model_ready("fastdecode")
+    status, body = post(url(api, "completions"), GOOD)
+    assert status == 200, body
