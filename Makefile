@@ -44,6 +44,7 @@ $(VENV)/.built: $(VENV)/.installed setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/
 	# unlink first: a running R-worker or Triton keeps its mapped copy intact
 	rm -f fastdecode/_kernels*.so fastdecode/_spart_ops*.so
 	$(PY) setup.py -q build_ext --inplace
+	$(PY) -c "import torch, fastdecode._kernels, fastdecode._spart_ops"
 	touch $@
 
 # The default model (SmolLM2-135M-Instruct), converted once from the GGUF the

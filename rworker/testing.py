@@ -10,16 +10,18 @@ from rworker.fleet import LocalFleet
 
 
 def store_kind() -> str:
-    """'kernel' when the C++ KV store is built, else the numpy reference store.
-    FASTDECODE_RWORKER_STORE overrides (e.g. to force the kernel and fail loudly without it)."""
+    """The KV store of test R-workers: the C++ kernel's, unless FASTDECODE_RWORKER_STORE names
+    another (numpy: the reference store). A kernel that does not import is an error, not a switch
+    to another store."""
     forced = os.environ.get("FASTDECODE_RWORKER_STORE")
     if forced:
         return forced
     try:
-        import fastdecode.kernels  # noqa: F401
         from fastdecode.kernels import KVStore  # noqa: F401
-    except ImportError:
-        return "numpy"
+    except ImportError as e:
+        raise ImportError(f"R-workers need the C++ kernel store, and fastdecode.kernels does not import ({e}); "
+                          "run `make build`, or set FASTDECODE_RWORKER_STORE=numpy to ask for the numpy "
+                          "reference store") from e
     return "kernel"
 
 

@@ -21,14 +21,6 @@ from fastdecode.config import EngineConfig
 SPEC = KVSpec(num_layers=3, num_heads=8, num_kv_heads=2, head_dim=32)
 
 
-def kernels_built() -> bool:
-    try:
-        import fastdecode._kernels  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
 def local_backend(spec: KVSpec):
     from fastdecode.attention.local import LocalAttention
     return LocalAttention(spec, EngineConfig(attention="local", kv_capacity_bytes=64 << 20, kernel_threads=2))
@@ -36,8 +28,7 @@ def local_backend(spec: KVSpec):
 
 BACKENDS = [
     pytest.param((lambda spec: TorchAttention(spec), 1e-5), id="torch"),
-    pytest.param((local_backend, 3e-3), id="local",          # fp16 KV storage
-                 marks=pytest.mark.skipif(not kernels_built(), reason="fastdecode._kernels is not built")),
+    pytest.param((local_backend, 3e-3), id="local"),         # fp16 KV storage
 ]
 
 

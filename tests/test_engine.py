@@ -21,18 +21,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def kernels_built() -> bool:
-    try:
-        import fastdecode._kernels  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
 # The pure-torch reference and the local C++ kernel (fp16 KV): the key behaviour tests run on both.
-BACKENDS = [pytest.param("torch", id="torch"),
-            pytest.param("local", id="local",
-                         marks=pytest.mark.skipif(not kernels_built(), reason="fastdecode._kernels is not built"))]
+BACKENDS = [pytest.param("torch", id="torch"), pytest.param("local", id="local")]
 
 
 def make_engine(model_dir: str, attention: str = "torch", **overrides) -> Engine:

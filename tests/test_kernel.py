@@ -1,6 +1,6 @@
 """The C++ KV store and decode-attention kernel against a float64 reference.
 
-fp16: relative L2 error <= 1e-3 against the reference on the fp16-rounded K, V.
+fp16: exact to fp32 rounding against the reference on the fp16-rounded K, V.
 int4: exact to fp32 rounding against the reference on the dequantized cache
 (KVStore.read), and its error against the unquantized cache is reported.
 Every ISA path the CPU supports is forced in turn.
@@ -38,7 +38,7 @@ def rel(a, b) -> float:
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_supports(isa), reason=f"CPU lacks {isa}"))
         for isa in ("scalar", "avx2", "avx512", "avx512vnni")]
-FP16_TOL = 1e-3
+FP16_TOL = 4 * 4.5e-6  # measured max 4.5e-6 over this file (scalar path; 3.0e-6 on the vector paths)
 INT4_TOL = 2e-5  # fp32 rounding over sums of up to a few thousand terms
 BS = 16
 
@@ -351,6 +351,16 @@ def test_pool_workers_keep_off_the_callers_cpu():
     fresh.close()
 
 
+# Keeps one CPU busy; ends by itself after 30 s or when the test process is gone.
+HOG = """import os, time
+os.sched_setaffinity(0, {{{cpu}}})
+print("spinning", flush=True)
+end = time.monotonic() + 30
+while time.monotonic() < end and os.getppid() == {parent}:
+    pass
+"""
+
+
 def median_call_s(store, ids, q, n=30):
     times = []
     for _ in range(n):
@@ -361,6 +371,7 @@ def median_call_s(store, ids, q, n=30):
     return float(np.median(times))
 
 
+@pytest.mark.cpu_hog
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_pool_call_does_not_wait_for_a_worker_that_cannot_start():
     """A worker whose CPU is busy elsewhere (the S-Part may share the R-worker's cores) sits out a
@@ -384,17 +395,18 @@ def test_pool_call_does_not_wait_for_a_worker_that_cannot_start():
         one_thread_s = median_call_s(alone, ids, q)
         os.sched_setaffinity(worker, {allowed[1]})
         os.sched_setscheduler(worker, os.SCHED_IDLE, os.sched_param(0))
-        hog = subprocess.Popen([sys.executable, "-c",
-                                f"import os\nos.sched_setaffinity(0, {{{allowed[1]}}})\nwhile True: pass"])
-        time.sleep(0.3)
+        hog = subprocess.Popen([sys.executable, "-c", HOG.format(cpu=allowed[1], parent=os.getpid())],
+                               stdout=subprocess.PIPE, text=True)
+        assert hog.stdout.readline() == "spinning\n"
         starved_s = median_call_s(pooled, ids, q)
         check_against_reference(pooled, ids, q, pooled.attend(0, ids, q))
     finally:
         if hog is not None:
             hog.kill()
             hog.wait()
+            hog.stdout.close()
         os.sched_setaffinity(0, set(allowed))
-    assert starved_s < 3 * one_thread_s, (starved_s, one_thread_s)
+    assert starved_s < 10 * one_thread_s, (starved_s, one_thread_s)   # ~1x; waiting for the worker was 28x
     pooled.close()
     alone.close()
 
@@ -770,3 +782,29 @@ def test_int4_head_dim_padded_to_32(isa, d):
         assert np.all(np.abs(vc.reshape(g.shape) - g) <= step * 0.51 + 1e-3 * np.abs(g).max(-1, keepdims=True))
     q = rng.standard_normal((2, 4, d)).astype(np.float32)
     check_against_reference(store, ids, q, store.attend(0, ids, q), originals)
+
+
+# ---- no silent fallback: without the kernel, tests fail
+
+def without_kernel(code: str, **env) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter in which fastdecode._kernels does not import."""
+    from fastdecode.config import REPO_ROOT
+
+    environ = {k: v for k, v in os.environ.items() if k != "FASTDECODE_RWORKER_STORE"} | env
+    return subprocess.run([sys.executable, "-c", "import sys\nsys.modules['fastdecode._kernels'] = None\n" + code],
+                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env=environ)
+
+
+def test_test_rworkers_without_the_kernel_are_an_error():
+    broken = without_kernel("from rworker.testing import store_kind\nstore_kind()")
+    assert broken.returncode != 0 and "ImportError" in broken.stderr and "make build" in broken.stderr, broken.stderr
+    asked = without_kernel("from rworker.testing import store_kind\nprint(store_kind())",
+                           FASTDECODE_RWORKER_STORE="numpy")
+    assert asked.returncode == 0 and asked.stdout.strip() == "numpy", asked.stderr
+
+
+def test_the_suite_fails_without_the_kernel():
+    run = without_kernel("import pytest\n"
+                         "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_local_attention.py']))")
+    assert run.returncode == 1, (run.stdout, run.stderr)
+    assert "fastdecode._kernels" in run.stdout + run.stderr and "skipped" not in run.stdout, run.stdout

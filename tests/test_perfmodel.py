@@ -171,7 +171,7 @@ def test_tiny_real_measurement(tiny_model_dir):
     assert shape["hidden_size"] == 64 and shape["num_kv_heads"] == 2
     r_pts, backend = measure_r_part(2, 4, 16, contexts=(512, 8192), num_seqs=8, threads=1, repeats=2)
     assert set(r_pts) == {512, 8192} and all(med >= low > 0 for med, low in r_pts.values())
-    assert backend.startswith(("kernels.KVStore", "torch_ref"))
+    assert backend == "kernels.KVStore(fp16, threads=1)"        # the kernel, never the torch fallback
 
 
 def test_floor_model_roundtrip():

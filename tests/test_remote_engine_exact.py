@@ -42,8 +42,9 @@ class TestRemoteEngineExact(EngineExactSuite):
     def test_default_model_fp32_token_exact(self, backend_overrides):
         super().test_default_model_fp32_token_exact(backend_overrides)
 
-    # The default run covers every layout on one tiny model; the other models run with -m slow.
-    @pytest.mark.parametrize("name", ["gqa", *(pytest.param(n, marks=pytest.mark.slow)
-                                              for n in ("mha_tied", "llama3_rope", "qwen2_bias"))])
+    # The default run covers every layout on one tiny model with 3 kv heads (sharded 2 + 1 and
+    # 1 + 1 + 1); the other models run with -m slow.
+    @pytest.mark.parametrize("name", ["kv3", *(pytest.param(n, marks=pytest.mark.slow)
+                                              for n in ("gqa", "mha_tied", "llama3_rope", "qwen2_bias"))])
     def test_tiny_models_token_exact(self, tiny_model_dirs, name, backend_overrides):
         self._check(tiny_model_dirs[name], backend_overrides)
