@@ -11,6 +11,7 @@ PYTEST_ARGS ?=
 SERVE_ARGS ?=
 PLAN ?=
 BENCH_ARGS ?=
+OPENAI_PORT ?= 9000
 VLLM_VENV := build/vllm-venv
 
 TRITON_DIR = $(VENV)/lib/python3.11/site-packages/pytriton/tritonserver
@@ -63,6 +64,7 @@ test-slow: setup
 # in-process (the embedded default) unless RWORKERS=N starts N local R-workers.
 serve: setup
 	$(PY) -m fastdecode.serve start --model $(MODEL_DIR) --rworkers $(or $(RWORKERS),0) --run-dir $(RUN_DIR) \
+		--openai-port $(OPENAI_PORT) \
 		$(if $(PLAN),--param plan=$(PLAN)) $(SERVE_ARGS)
 
 stop:

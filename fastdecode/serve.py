@@ -401,6 +401,20 @@ def cmd_start(args) -> int:
         print(f"\nfastdecode.serve: the server started but its first completion failed ({reason}); it keeps "
               f"running for a look at {server.log_path}; `make stop` ends it", file=sys.stderr)
         return 1
+    openai = ""
+    if args.openai_port:
+        from openai_frontend import process as openai_process
+
+        try:
+            url = openai_process.start(run_dir, server.grpc_url, str(Path(args.model).resolve()), server.host,
+                                       args.openai_port)
+        except RuntimeError as e:
+            print(f"\nfastdecode.serve: {e}\ntritonserver keeps running; `make stop` ends it", file=sys.stderr)
+            return 1
+        openai = f"""
+OpenAI API: {url}/v1 (model {Path(args.model).name!r})
+  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "{Path(args.model).name}", "messages": [{{"role": "user", "content": "Hello"}}]}}'"""
     print(f"""
 
 tritonserver runs on {server.host}: HTTP {server.http_port}, gRPC {server.grpc_port}, metrics {server.metrics_port}
@@ -409,7 +423,7 @@ tritonserver runs on {server.host}: HTTP {server.http_port}, gRPC {server.grpc_p
        -d '{{"text_input": "Hello", "sampling_parameters": "{{\\"max_tokens\\": 32}}"}}'
   curl -sN -X POST http://{server.http_url}/v2/models/{DEFAULT_MODEL_NAME}/generate_stream \\
        -d '{{"text_input": "Hello", "stream": true, "sampling_parameters": "{{\\"max_tokens\\": 32}}"}}'
-  curl -s {server.metrics_url} | grep fastdecode_
+  curl -s {server.metrics_url} | grep fastdecode_{openai}
 stop with: make stop   (python -m fastdecode.serve stop --run-dir {run_dir})""")
     return 0
 
@@ -426,6 +440,10 @@ def _alive(pid: int) -> bool:
 
 def cmd_stop(args) -> int:
     run_dir = Path(args.run_dir)
+    from openai_frontend import process as openai_process
+
+    if (pid := openai_process.stop(run_dir)) is not None:
+        print(f"stopped the OpenAI frontend (pid {pid})", file=sys.stderr)
     pid_file = run_dir / "tritonserver.pid"
     if pid_file.exists():
         pid = int(pid_file.read_text())
@@ -460,6 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API beside Triton; 0 = off")
     s.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="a model parameter (EngineConfig field, e.g. scheduler=sls, dtype=bfloat16)")
     s.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to be ready")

@@ -87,7 +87,8 @@ def test_serve_start_and_stop_like_make_serve(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "fastdecode.serve"]
     start = subprocess.run([*cmd, "start", "--model", tiny_model_dir, "--rworkers", "1", "--kv-capacity", "64M",
                             "--run-dir", str(run_dir), "--http-port", ports[0], "--grpc-port", ports[1],
-                            "--metrics-port", ports[2]], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+                            "--metrics-port", ports[2], "--openai-port", "0"], capture_output=True, text=True, timeout=300,
+                           cwd=REPO_ROOT)
     try:
         assert start.returncode == 0, start.stderr
         assert "ready. one streamed completion" in start.stderr and f"127.0.0.1:{ports[1]}" in start.stdout
@@ -109,9 +110,10 @@ def test_serve_start_and_stop_like_make_serve(tiny_model_dir, tmp_path):
 
 
 def _serve_start(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    ports = [str(serve.free_port()) for _ in range(3)]
+    ports = [str(serve.free_port()) for _ in range(4)]
     return subprocess.run([sys.executable, "-m", "fastdecode.serve", "start", "--run-dir", str(run_dir),
-                           "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2], *extra],
+                           "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
+                           "--openai-port", ports[3], *extra],
                           capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
 
 
@@ -125,7 +127,10 @@ def _serve_stop(run_dir: Path) -> None:
 @pytest.mark.skipif(not serve.tritonserver_binary().exists(), reason="tritonserver binary missing")
 def test_make_serve_streams_its_first_completion(tmp_path):
     """What `make serve` runs, at its defaults (the default model, the R-Part in-process): it exits 0
-    only after the first completion streamed text, and prints that text."""
+    only after the first completion streamed text, and prints that text; the OpenAI API it prints
+    answers the openai SDK, and `stop` ends it too."""
+    from openai import OpenAI
+
     run_dir = tmp_path / "run"
     start = _serve_start(run_dir)
     try:
@@ -134,8 +139,15 @@ def test_make_serve_streams_its_first_completion(tmp_path):
         assert len(completion.strip()) >= 10, start.stdout
         params = json.loads((run_dir / "serve.json").read_text())["parameters"]
         assert "rworkers" not in params and "attention" not in params         # embedded by default
+        base_url = start.stdout.split("OpenAI API: ", 1)[1].split()[0]
+        client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=8, temperature=0,
+                                               messages=[{"role": "user", "content": "Name a colour."}])
+        assert reply.choices[0].message.content.strip() and reply.usage.completion_tokens >= 1
+        frontend_pid = int((run_dir / "openai_frontend.pid").read_text())
     finally:
         _serve_stop(run_dir)
+    assert not serve._alive(frontend_pid) and not (run_dir / "openai_frontend.pid").exists()
 
 
 @pytest.mark.triton
