@@ -12,6 +12,8 @@ output. Every streamed output is timestamped: TTFT per request, and the gap betw
 
   triton  `make serve`'s deployment at its defaults (tritonserver, the fastdecode model), one
           tritonclient gRPC stream per request, all open at once on one aio channel
+  openai  the same Triton behind the OpenAI-compatible frontend (openai_frontend), one streamed
+          /v1/completions request per request over httpx, at --openai-batches only
   engine  the same EngineConfig in this process (what Triton costs)
   hf      transformers generate() at its faster dtype here (probed), all cores, left padding
   vllm    vLLM's CPU build at its defaults in its own venv (bench/peers_vllm.py, `make vllm-venv`)
@@ -43,7 +45,7 @@ sys.path.insert(0, str(REPO))
 
 TOPICS = ["the sea", "a mountain", "bread", "a robot", "rain", "a library", "trains", "the moon"]
 VLLM_PYTHON = REPO / "build" / "vllm-venv" / "bin" / "python"
-COLORS = {"triton": "tab:blue", "engine": "tab:cyan", "hf": "tab:green", "vllm": "tab:red"}
+COLORS = {"triton": "tab:blue", "openai": "tab:purple", "engine": "tab:cyan", "hf": "tab:green", "vllm": "tab:red"}
 
 
 def prompt_text(i: int) -> str:
@@ -128,6 +130,38 @@ def run_triton(server, work: list[tuple[str, int]], seq_len: int) -> dict:
             await asyncio.gather(*(one(c, i, text, new, line) for i, (text, new) in enumerate(work)))
         finally:
             await c.close()
+        return line.summary(len(work), seq_len)
+
+    return asyncio.run(run())
+
+
+def run_openai(url: str, model: str, work: list[tuple[str, int]], seq_len: int) -> dict:
+    """Streamed /v1/completions: an SSE chunk with text counts one token; the usage chunk at the
+    end adds what chunks carried beyond that (a held-back UTF-8 character merges two)."""
+    import httpx
+
+    async def one(c, i: int, text: str, new: int, line: Timeline) -> None:
+        body = {"model": model, "prompt": text, "max_tokens": new, "temperature": 0.0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        counted = 0
+        async with c.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"request {i}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            async for raw in r.aiter_lines():
+                if not raw.startswith("data: ") or raw == "data: [DONE]":
+                    continue
+                chunk = json.loads(raw[6:])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    counted += 1
+                    line.add(f"r{i}", 1)
+                elif chunk.get("usage"):
+                    line.add(f"r{i}", max(0, chunk["usage"]["completion_tokens"] - counted))
+
+    async def run() -> dict:
+        limits = httpx.Limits(max_connections=len(work) + 8, max_keepalive_connections=len(work) + 8)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as c:
+            line = Timeline()
+            await asyncio.gather(*(one(c, i, text, new, line) for i, (text, new) in enumerate(work)))
         return line.summary(len(work), seq_len)
 
     return asyncio.run(run())
@@ -247,6 +281,32 @@ class TritonPeer:
         self.server.__exit__(None, None, None)
 
 
+class OpenAIPeer:
+    name = "openai"
+
+    def __init__(self, triton: TritonPeer | None, model_dir: str, tmp: Path, batches: set[int]) -> None:
+        from fastdecode.serve import free_port
+        from openai_frontend import process
+
+        if triton is None:
+            raise RuntimeError("the openai peer runs in front of the triton peer: list triton before it")
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.tmp, self.batches, self.model = tmp, batches, Path(model_dir).name
+        self.url = process.start(tmp, triton.server.grpc_url, model_dir, "127.0.0.1", free_port())
+        self.info = {"config": "the triton peer behind openai_frontend, streamed /v1/completions over httpx"}
+
+    def runs(self, seq_len: int, batch: int, shortest: int) -> bool:
+        return seq_len == shortest and batch in self.batches
+
+    def run(self, work, seq_len):
+        return run_openai(self.url, self.model, work, seq_len)
+
+    def close(self):
+        from openai_frontend import process
+
+        process.stop(self.tmp)
+
+
 class EnginePeer:
     name = "engine"
 
@@ -361,7 +421,8 @@ def timed_run(peer, work, seq_len: int, batch: int, timeout_s: float) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/smollm2-135m-instruct")
-    p.add_argument("--peers", default="triton,engine,hf,vllm")
+    p.add_argument("--peers", default="triton,openai,engine,hf,vllm")
+    p.add_argument("--openai-batches", default="32,128", help="the openai peer's batches (shortest length)")
     p.add_argument("--seq-lens", default="128,1024")
     p.add_argument("--batches", default="1,8,32,128,512", help="at the shortest sequence length")
     p.add_argument("--long-batches", default="1,8,32", help="at the other sequence lengths")
@@ -399,7 +460,12 @@ def main(argv=None) -> int:
     def work(seq_len, batch):
         return workload(tokenizer, batch, seq_len)
 
+    def triton_peer():
+        return next((peer for peer in peers if peer.name == "triton"), None)
+
     makers = {"triton": lambda tmp: TritonPeer(params, tmp), "engine": lambda tmp: EnginePeer(config),
+              "openai": lambda tmp: OpenAIPeer(triton_peer(), model_dir, tmp,
+                                               {int(b) for b in a.openai_batches.split(",") if b}),
               "hf": lambda tmp: HFPeer(model_dir, a.hf_dtype, work(48, 32)),
               "vllm": lambda tmp: VLLMPeer(model_dir, a.run_timeout_s)}
     peers = []
@@ -421,6 +487,8 @@ def main(argv=None) -> int:
             stopped: set[tuple[str, int]] = set()
             for seq_len, batch in plan:
                 for peer in live:
+                    if hasattr(peer, "runs") and not peer.runs(seq_len, batch, seq_lens[0]):
+                        continue
                     if (peer.name, seq_len) not in stopped:
                         row = timed_run(peer, work(seq_len, batch), seq_len, batch, a.run_timeout_s)
                         if "error" in row or "stopped" in row:
@@ -432,7 +500,7 @@ def main(argv=None) -> int:
             for peer in peers:
                 peer.close()
     plot(report, out.with_suffix(".png"), seq_lens)
-    print(json.dumps({k: v for k, v in report.items() if k.startswith("triton_over")}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k.startswith(("triton_over", "openai_over"))}, indent=1))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
@@ -456,6 +524,9 @@ def ratios(peers: dict, seq_len: int) -> dict:
         out["triton_over_vllm_best"] = round(t / v, 3)
     if tps("triton", 128) and e:
         out["triton_over_engine_b128"] = round(tps("triton", 128) / e, 3)
+    for b in (32, 128):
+        if tps("openai", b) and tps("triton", b):
+            out[f"openai_over_triton_b{b}"] = round(tps("openai", b) / tps("triton", b), 3)
     return out
 
 
