@@ -17,7 +17,7 @@ from openai_frontend.chat import ChatTemplate
 from openai_frontend.errors import APIError, bad_request
 from openai_frontend.generation import Run
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from openai_frontend.responses import DONE, ChatFormat, CompletionFormat, sse
+from openai_frontend.responses import DONE, ChatFormat, CompletionFormat, TokenTexts, sse
 from openai_frontend.sampling import per_choice, sampling_parameters
 from openai_frontend.triton import Triton
 
@@ -38,6 +38,7 @@ class Settings:
 def create_app(settings: Settings) -> FastAPI:
     triton = Triton(settings.triton_url, settings.model)
     template = ChatTemplate(settings.model_dir)
+    token_text = TokenTexts(template.tokenizer)
     context = _context_length(settings.model_dir)
     created = int(time.time())
 
@@ -77,7 +78,8 @@ def create_app(settings: Settings) -> FastAPI:
         check_model(req)
         prompts = _prompts(req.prompt)
         params = sampling_parameters(req, req.max_tokens)
-        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", settings.name, prompts if req.echo else None, req.n)
+        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", settings.name, prompts if req.echo else None, req.n,
+                               token_text)
         choices = [(p, s) for p in prompts for s in per_choice(params, req.n)]
         return await _respond(triton, request, req, fmt, choices)
 
@@ -89,7 +91,7 @@ def create_app(settings: Settings) -> FastAPI:
         if max_tokens is None:    # up to the context: the engine stops there
             max_tokens = min(context, await triton.max_model_len() or context)
         params = sampling_parameters(req, max_tokens)
-        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", settings.name)
+        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", settings.name, token_text=token_text)
         return await _respond(triton, request, req, fmt, [(prompt, s) for s in per_choice(params, req.n)])
 
     return app
@@ -114,7 +116,7 @@ async def _respond(triton: Triton, request: Request, req: SamplingRequest, fmt: 
     run = Run(triton, choices, req.stream, fmt.id)
     if not req.stream:
         chunks = await _unless_disconnected(request, run)
-        body = [fmt.choice(i, c.text, c.finish_reason) for i, c in enumerate(chunks)]
+        body = [fmt.choice(i, c.text, c.finish_reason, c.logprobs) for i, c in enumerate(chunks)]
         return JSONResponse(fmt.response(body, run.usage(req.n)))
     try:
         await run.start()
@@ -135,7 +137,7 @@ async def _events(run: Run, fmt: CompletionFormat, req: SamplingRequest):
             yield sse(fmt.chunk(heads, None, usage))
         async for i, chunk in run.events():
             if chunk.text or chunk.finish_reason:
-                yield sse(fmt.chunk([fmt.delta(i, chunk.text, chunk.finish_reason)], None, usage))
+                yield sse(fmt.chunk([fmt.delta(i, chunk.text, chunk.finish_reason, chunk.logprobs)], None, usage))
         if usage:
             yield sse(fmt.chunk([], run.usage(req.n), True))
         yield DONE

@@ -1,4 +1,11 @@
-"""OpenAI response bodies and stream chunks, as plain dicts (built per token: no model validation)."""
+"""OpenAI response bodies and stream chunks, as plain dicts (built per token: no model validation).
+
+Log probabilities arrive from the model as [{"token_id", "logprob", "top_logprobs": [{"token_id",
+"logprob"}, ...]}] per token (python_backend/response.py) and leave in OpenAI's shapes: completions'
+{"tokens", "token_logprobs", "top_logprobs" (a {token: logprob} dict per token, the top N and the
+sampled token), "text_offset"}; chat's {"content": [{"token", "logprob", "bytes", "top_logprobs":
+[{"token", "logprob", "bytes"}, ...]}]}. A token's text is the tokenizer's decoding of it alone.
+"""
 from __future__ import annotations
 
 import json
@@ -12,13 +19,30 @@ def sse(body: dict | str) -> str:
 DONE = sse("[DONE]")
 
 
+class TokenTexts:
+    """Token id -> its text (decoded alone), cached."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
 class CompletionFormat:
     object = chunk_object = "text_completion"
 
-    def __init__(self, request_id: str, model: str, echo_prompts: list[str] | None = None, n: int = 1):
+    def __init__(self, request_id: str, model: str, echo_prompts: list[str] | None = None, n: int = 1,
+                 token_text: TokenTexts | None = None):
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.echo_prompts, self.n = echo_prompts, n
         self.echoed: set[int] = set()
+        self.token_text = token_text
+        self.offsets: dict[int, int] = {}     # choice -> characters of text before its next token
 
     def _echo(self, index: int, text: str) -> str:
         if self.echo_prompts is None or index in self.echoed:
@@ -29,11 +53,31 @@ class CompletionFormat:
     def head(self, index: int) -> dict | None:
         return None
 
-    def choice(self, index: int, text: str, finish_reason: str) -> dict:
-        return {"index": index, "text": self._echo(index, text), "logprobs": None, "finish_reason": finish_reason}
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: list[dict] | None = None) -> dict:
+        return {"index": index, "text": self._echo(index, text), "logprobs": self.logprobs(index, logprobs),
+                "finish_reason": finish_reason}
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> dict:
-        return self.choice(index, text, finish_reason)
+    def delta(self, index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None) -> dict:
+        return self.choice(index, text, finish_reason, logprobs)
+
+    def logprobs(self, index: int, entries: list[dict] | None) -> dict | None:
+        if entries is None:
+            return None
+        tokens = [self.token_text(e["token_id"]) for e in entries]
+        offsets, at = [], self.offsets.get(index, 0)
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        self.offsets[index] = at
+        tops = []
+        for token, e in zip(tokens, entries):
+            top: dict[str, float] = {}
+            for t in e["top_logprobs"]:      # tokens of the same text (U+FFFD, say): the likeliest one's
+                top.setdefault(self.token_text(t["token_id"]), t["logprob"])
+            top.setdefault(token, e["logprob"])
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": tops,
+                "text_offset": offsets}
 
     def response(self, choices: list[dict], usage: dict) -> dict:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
@@ -53,10 +97,21 @@ class ChatFormat(CompletionFormat):
     def head(self, index: int) -> dict:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def choice(self, index: int, text: str, finish_reason: str) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: list[dict] | None = None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": self.logprobs(index, logprobs), "finish_reason": finish_reason}
+
+    def delta(self, index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None) -> dict:
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": self.logprobs(index, logprobs),
                 "finish_reason": finish_reason}
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> dict:
-        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
-                "finish_reason": finish_reason}
+    def logprobs(self, index: int, entries: list[dict] | None) -> dict | None:
+        if entries is None:
+            return None
+        return {"content": [{**self._token(e["token_id"], e["logprob"]),
+                             "top_logprobs": [self._token(t["token_id"], t["logprob"]) for t in e["top_logprobs"]]}
+                            for e in entries]}
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class Chunk:
     finish_reason: str | None      # set on the final chunk
     num_input_tokens: int
     num_output_tokens: int         # tokens since the previous chunk (streamed) or in all (not streamed)
+    logprobs: list[dict] | None = None   # one entry per token of the chunk, when the request asked
 
 
 class Triton:
@@ -144,6 +146,8 @@ class Generation:
         chunk = Chunk(text=_string(result, "text_output"), finish_reason=None,
                       num_input_tokens=_int(result, "num_input_tokens"),
                       num_output_tokens=_int(result, "num_output_tokens"))
+        if result.as_numpy("logprobs") is not None:
+            chunk.logprobs = json.loads(_string(result, "logprobs"))
         if final:
             chunk.finish_reason = _string(result, "finish_reason") or "stop"
             self._end()

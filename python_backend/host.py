@@ -297,7 +297,8 @@ def coalesce(batch: list) -> list:
     for out in batch:
         prev = merged.get(out.request_id)
         merged[out.request_id] = out if prev is None else replace(
-            out, token_ids=prev.token_ids + out.token_ids, text=prev.text + out.text)
+            out, token_ids=prev.token_ids + out.token_ids, text=prev.text + out.text,
+            logprobs=None if out.logprobs is None else (prev.logprobs or []) + out.logprobs)
     return list(merged.values())
 
 

@@ -1,7 +1,9 @@
 """Triton request -> GenerateRequest, following the tensor contract of Triton's vLLM backend.
 
 Inputs: text_input (STRING, required), stream (BOOL), sampling_parameters (STRING holding a
-JSON object: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos),
+JSON object: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
+repetition_penalty, frequency_penalty, presence_penalty, min_p, min_tokens, logprobs; the
+engine's SamplingParams checks them),
 exclude_input_in_output, return_finish_reason, return_num_input_tokens, return_num_output_tokens
 (BOOL). Without a sampling_parameters tensor the request's parameters are used instead (what
 Triton's generate endpoint makes of `"parameters": {...}`).

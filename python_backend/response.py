@@ -1,12 +1,17 @@
 """Engine RequestOutputs -> Triton output tensors (vLLM backend contract).
 
 Outputs: text_output (STRING), finish_reason (STRING), num_input_tokens (UINT32),
-num_output_tokens (UINT32). Streaming: one response per text delta (the engine never splits a
+num_output_tokens (UINT32), and logprobs (STRING) only when sampling_parameters has "logprobs":
+a JSON list with one entry per token of the response, {"token_id", "logprob", "top_logprobs":
+[{"token_id", "logprob"}, ...] (best first, as many as asked)}; log probabilities of the model's
+raw distribution, -inf written as -9999.0. Streaming: one response per text delta (the engine never splits a
 UTF-8 character, so neither do we); num_output_tokens counts the tokens since the previous
 response. Not streaming: one response with the whole text (prompt first unless
 exclude_input_in_output) and the total token count.
 """
 from __future__ import annotations
+
+import json
 
 import numpy as np
 
@@ -23,10 +28,13 @@ class ResponseBuilder:
         self.request = request
         self.parts: list[str] = []
         self.pending_tokens = 0
+        self.logprobs: list[dict] | None = [] if request.sampling.get("logprobs") is not None else None
 
     def on_output(self, out) -> tuple[Outputs | None, ErrorInfo | None]:
         """(outputs, error) to send now; (None, None) = nothing to send yet."""
         self.pending_tokens += len(out.token_ids)
+        if self.logprobs is not None:
+            self.logprobs += [_logprob_entry(lp) for lp in getattr(out, "logprobs", None) or ()]
         if out.finished and out.finish_reason == "error":
             return None, ErrorInfo(f"generation failed: {out.error or 'engine error'}", INTERNAL)
         if out.finished and out.finish_reason == "cancelled":
@@ -55,4 +63,16 @@ class ResponseBuilder:
             outputs["num_input_tokens"] = np.array([num_input], dtype=np.uint32)
         if r.return_num_output_tokens:
             outputs["num_output_tokens"] = np.array([num_output], dtype=np.uint32)
+        if self.logprobs is not None:
+            outputs["logprobs"] = np.array([json.dumps(self.logprobs).encode()], dtype=np.object_)
+            self.logprobs = []
         return outputs
+
+
+def _finite(x: float) -> float:
+    return x if x > -9999.0 else -9999.0
+
+
+def _logprob_entry(lp) -> dict:
+    return {"token_id": lp.token_id, "logprob": _finite(lp.logprob),
+            "top_logprobs": [{"token_id": t, "logprob": _finite(v)} for t, v in lp.top]}

@@ -213,7 +213,17 @@ GARBAGE = [
     ("completions", {**GOOD, "prompt": ""}, 400, "prompt"),
     ("completions", {**GOOD, "prompt": None}, 400, "prompt"),
     ("completions", {**GOOD, "prompt": [1, 2, 3]}, 400, "prompt"),
-    ("completions", {**GOOD, "logprobs": 2}, 400, "logprobs"),
+    ("completions", {**GOOD, "logprobs": 21}, 400, "logprobs"),
+    ("completions", {**GOOD, "logprobs": -1}, 400, "logprobs"),
+    ("completions", {**GOOD, "logprobs": "two"}, 400, "logprobs"),
+    ("completions", {**GOOD, "logprobs": 1, "echo": True}, 400, "logprobs"),
+    ("completions", {**GOOD, "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ("completions", {**GOOD, "presence_penalty": "x"}, 400, "presence_penalty"),
+    ("completions", {**GOOD, "repetition_penalty": 0}, 400, "repetition_penalty"),   # the engine's checks, relayed
+    ("completions", {**GOOD, "repetition_penalty": "NaN"}, 400, "repetition_penalty"),
+    ("completions", {**GOOD, "min_p": 1.5}, 400, "min_p"),
+    ("completions", {**GOOD, "min_tokens": -1}, 400, "min_tokens"),
+    ("completions", {**GOOD, "min_tokens": 5}, 400, "min_tokens"),                  # more than max_tokens 2
     ("completions", {**GOOD, "model": "gpt-4"}, 404, "model"),
     ("completions", {**GOOD, "stream": "yes please"}, 400, "stream"),
     ("completions", {**GOOD, "top_k": "x"}, 400, "top_k"),           # the engine's own check, relayed
@@ -223,7 +233,9 @@ GARBAGE = [
     ("chat/completions", {**GOOD_CHAT, "messages": [{"content": "x"}]}, 400, "messages.0.role"),
     ("chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages.0.content"),
-    ("chat/completions", {**GOOD_CHAT, "logprobs": True}, 400, "logprobs"),
+    ("chat/completions", {**GOOD_CHAT, "logprobs": "yes please"}, 400, "logprobs"),
+    ("chat/completions", {**GOOD_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),     # without logprobs: true
+    ("chat/completions", {**GOOD_CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("chat/completions", {**GOOD_CHAT, "max_completion_tokens": -5}, 400, "max_completion_tokens"),
     ("chat/completions", {**GOOD_CHAT, "model": "nope"}, 404, "model"),
     ("chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
@@ -257,18 +269,66 @@ def test_a_body_is_json_whatever_its_content_type(api):
         assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("param,value", [("frequency_penalty", 0.5), ("presence_penalty", 0.5),
-                                         ("repetition_penalty", 1.3), ("min_p", 0.1), ("min_tokens", 3)])
-def test_sampling_parameter_served_or_refused_by_name(api, param, value):
-    """Passed through to the engine: it either applies it or the client gets a 400 naming it."""
-    status, body = post(url(api, "completions"), {**GOOD, param: value})
-    if status != 200:
-        assert_openai_error(status, body, 400, param)
-        assert param in body["error"]["message"] and "not supported" in body["error"]["message"]
-    # the no-op value is not sent at all: every engine serves it
+@pytest.mark.parametrize("param,value", [("frequency_penalty", 1.5), ("presence_penalty", 1.5),
+                                         ("repetition_penalty", 2.0), ("min_p", 0.1), ("min_tokens", 3)])
+def test_sampling_parameter_served_as_the_engine_applies_it(api, server, param, value):
+    """Passed through to the engine: the same output as Triton's generate endpoint with the same parameter
+    (the engine's tests compare each one with its definition); the penalties change greedy output."""
+    request = {"model": NAME, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, param: value}
+    status, body = post(url(api, "completions"), request)
+    assert status == 200, body
+    text = body["choices"][0]["text"]
+    assert text == triton_text(server, PROMPT, max_tokens=16, **{param: value})
+    if param.endswith("penalty"):
+        _, plain = post(url(api, "completions"), {**request, param: 1.0 if param == "repetition_penalty" else 0.0})
+        assert plain["choices"][0]["text"] != text
     noop = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0}
     status, body = post(url(api, "completions"), {**GOOD, param: noop[param]})
     assert status == 200, body
+
+
+def test_completion_logprobs_in_openai_shape(api):
+    request = {"model": NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 3}
+    status, body = post(url(api, "completions"), request)
+    assert status == 200, body
+    choice = body["choices"][0]
+    lp = choice["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 8
+    joined = "".join(lp["tokens"])
+    assert joined == choice["text"] or "\ufffd" in joined     # a token holding part of a character decodes to U+FFFD
+    assert lp["text_offset"][0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(lp["text_offset"], lp["text_offset"][1:], lp["tokens"]))
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert value <= 0 and 1 <= len(top) <= 4 and top[token] == value    # fewer: tokens of the same text
+        assert value == max(top.values())                    # greedy: the sampled token is the most likely
+    events = sse_events(api, "completions", {**request, "stream": True})
+    streamed = [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]
+    _, none = post(url(api, "completions"), {**request, "logprobs": None})
+    assert none["choices"][0]["logprobs"] is None
+
+
+def test_chat_logprobs_in_openai_shape(api):
+    request = {"model": NAME, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6, "temperature": 0.7,
+               "seed": 3, "logprobs": True, "top_logprobs": 2}
+    status, body = post(url(api, "chat/completions"), request)
+    assert status == 200, body
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 6 and body["usage"]["completion_tokens"] == 6
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert entry["bytes"] == list(entry["token"].encode()) and entry["logprob"] <= 0
+        assert len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][1]["logprob"] >= -9999
+        assert entry["logprob"] <= entry["top_logprobs"][0]["logprob"]
+    chunks = sse_events(api, "chat/completions", {**request, "stream": True})
+    streamed = [e for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
+    assert streamed == content                              # seeded: the same tokens, streamed
+    _, bare = post(url(api, "chat/completions"), {**request, "top_logprobs": None})
+    assert all(e["top_logprobs"] == [] for e in bare["choices"][0]["logprobs"]["content"])
+    _, off = post(url(api, "chat/completions"), {**request, "logprobs": False, "top_logprobs": None})
+    assert off["choices"][0]["logprobs"] is None
 
 
 def test_engine_messages_map_to_openai_errors():

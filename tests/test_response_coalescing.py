@@ -23,6 +23,14 @@ def test_coalesce_merges_per_request_in_order():
     assert batch[0].token_ids == [1] and batch[0].text == "x"          # the engine's objects are not modified
 
 
+def test_coalesce_keeps_every_tokens_logprobs():
+    a1, a2 = out("a", [1], "x", n=1), out("a", [2, 3], "yz", n=3)
+    a1.logprobs, a2.logprobs = ["lp1"], ["lp2", "lp3"]
+    (merged,) = coalesce([a1, a2])
+    assert merged.token_ids == [1, 2, 3] and merged.logprobs == ["lp1", "lp2", "lp3"]
+    assert a1.logprobs == ["lp1"]
+
+
 def test_coalesce_leaves_single_outputs_alone():
     batch = [out("a", [1], "x", n=1), out("b", [2], "y", n=1)]
     assert coalesce(batch) == batch

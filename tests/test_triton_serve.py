@@ -55,7 +55,8 @@ def test_shipped_config_builds_the_default_engine_config():
     assert config.model_transaction_policy.decoupled and config.backend == "python"
     assert [g.count for g in config.instance_group] == [1]
     assert [i.name for i in config.input][:3] == ["text_input", "stream", "sampling_parameters"]
-    assert [o.name for o in config.output] == ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
+    assert [o.name for o in config.output] == ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
+                                                 "logprobs"]
 
 
 def test_cli_rejects_garbage(capsys):

@@ -23,7 +23,7 @@ from fastdecode.config import EngineConfig
 from fastdecode.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from fastdecode.engine.model_runner import ModelRunner, StepTimes
 from fastdecode.engine.preemption import TOO_LONG, KVBackoff, KVPlan
-from fastdecode.engine.sampling import SamplingParams, sample
+from fastdecode.engine.sampling import SamplingParams, sample, token_logprobs
 from fastdecode.engine.sequence import RequestOutput, Sequence, Status, tokenize_prompt
 from fastdecode.model.loader import load_model
 from fastdecode.scheduler import Candidate, create_scheduler
@@ -259,8 +259,12 @@ class Engine:
         return []
 
     def _postprocess(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
-        for s, tok in zip(seqs, tokens):
+        params = [s.params for s in seqs]
+        sampled = sample(logits, params, [s.generator for s in seqs],
+                         lambda: [s.history for s in seqs], self.eos_token_ids)
+        logprobs = token_logprobs(logits, params, sampled)
+        tokens = sampled.tolist()
+        for row, (s, tok) in enumerate(zip(seqs, tokens)):
             if s.finished:
                 continue
             p = s.params
@@ -273,7 +277,7 @@ class Engine:
                 s.finish("length")
             if s.finished:
                 self._release(s)
-            self._emit(s, [tok])
+            self._emit(s, [tok], None if logprobs is None or logprobs[row] is None else [logprobs[row]])
 
     def _finish(self, s: Sequence, reason: str, error: str | None = None) -> None:
         """End a request now (error, cancel) and tell its caller."""
@@ -334,8 +338,8 @@ class Engine:
         self.kv.preemptions += len(seqs)
         log.info("preempted %d sequence(s) for lack of KV; %d run on", len(seqs), len(self._running))
 
-    def _emit(self, s: Sequence, tokens: list[int]) -> None:
-        out = s.take_output(tokens)
+    def _emit(self, s: Sequence, tokens: list[int], logprobs=None) -> None:
+        out = s.take_output(tokens, logprobs)
         self._outputs.append(out)
         if s.on_output is not None:
             try:

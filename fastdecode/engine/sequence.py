@@ -10,7 +10,7 @@ import torch
 
 from fastdecode.engine.detokenizer import IncrementalDetokenizer
 from fastdecode.engine.errors import InvalidRequestError
-from fastdecode.engine.sampling import SamplingParams
+from fastdecode.engine.sampling import SamplingParams, TokenHistory, TokenLogprobs
 
 MAX_STOP_STRINGS = 16        # stop strings of one request; each is looked for at every token
 MAX_STOP_CHARS = 256         # characters of one stop string
@@ -27,6 +27,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None   # one per token of token_ids, when the request asked
 
 
 class Status(enum.Enum):
@@ -52,6 +53,8 @@ class Sequence:
         self.generator = None
         if params.seed is not None:   # a CPU generator whatever the device: sample() moves its draws
             self.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        # token ids as the sampler reads them (penalties, min_tokens): only for requests that need them
+        self.history = TokenHistory(prompt_ids) if params.needs_history else None
         self.detok = IncrementalDetokenizer(tokenizer)
         self.text = ""          # output text so far (a stop string cut off)
         self.sent = 0           # characters of self.text already streamed
@@ -72,6 +75,8 @@ class Sequence:
     def append_token(self, token: int, is_stop_token: bool) -> None:
         """Record a sampled token; extend the text and cut at a stop string."""
         self.output_ids.append(token)
+        if self.history is not None:
+            self.history.append(token)
         if is_stop_token:
             return
         before = len(self.text)
@@ -79,7 +84,7 @@ class Sequence:
         self._check_stop_strings(before)
 
     def _check_stop_strings(self, before: int) -> None:
-        if not self.params.stop or len(self.text) == before:
+        if not self.params.stop or len(self.text) == before or len(self.output_ids) < self.params.min_tokens:
             return
         text = self.text     # a new match ends in the new text: look only from len(stop) - 1 before it
         hits = [i for i in (text.find(s, max(0, before - len(s) + 1)) for s in self.params.stop) if i >= 0]
@@ -96,12 +101,14 @@ class Sequence:
         self.finish_reason = reason
         self.error = error
 
-    def take_output(self, new_tokens: list[int]) -> RequestOutput:
+    def take_output(self, new_tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         """The output record for what is new since the last one."""
         end = len(self.text) if self.finished else max(self.sent, len(self.text) - self.hold)
         text, self.sent = self.text[self.sent:end], end
+        if logprobs is None and self.params.logprobs is not None:
+            logprobs = []
         return RequestOutput(self.request_id, new_tokens, text, self.finished, self.finish_reason,
-                             len(self.prompt_ids), len(self.output_ids), self.error)
+                             len(self.prompt_ids), len(self.output_ids), self.error, logprobs)
 
 
 def check_stop_strings(stop: tuple[str, ...]) -> None:
