@@ -122,7 +122,6 @@ class EngineHost:
 
     # ---- sender thread
     def _run(self) -> None:
-        _yield_cpu_to_engine()
         next_poll = next_flush = time.monotonic()
         while True:
             timeout = max(0.0, min(next_poll, next_flush) - time.monotonic())
@@ -292,7 +291,7 @@ class EngineHost:
 
 def coalesce(batch: list) -> list:
     """One output per request: the outputs of a request that queued up while the sender was
-    busy (a saturated CPU) go out as one response carrying all their tokens and text."""
+    busy go out as one response carrying all their tokens, text and logprobs."""
     merged: dict[str, Any] = {}
     for out in batch:
         prev = merged.get(out.request_id)
@@ -300,15 +299,6 @@ def coalesce(batch: list) -> list:
             out, token_ids=prev.token_ids + out.token_ids, text=prev.text + out.text,
             logprobs=None if out.logprobs is None else (prev.logprobs or []) + out.logprobs)
     return list(merged.values())
-
-
-def _yield_cpu_to_engine(niceness: int = 10) -> None:
-    """Lower this thread's priority (Linux: per thread) so that, when the cores are saturated,
-    the engine's step keeps them and responses queue up -- then coalesce() merges them."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-    except (AttributeError, OSError):
-        pass
 
 
 def _engine_sampling_params(values: dict):
