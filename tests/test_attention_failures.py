@@ -123,3 +123,27 @@ def test_a_prefill_the_backend_refuses_fails_its_requests_not_the_engine(engine)
     assert engine.healthy and engine.backend.stats()["sequences"] == 0
     model.pre_attention = pre
     assert [tokens(o) for o in run(engine, PROMPTS).values()] == [tokens(o) for o in clean.values()]
+
+
+def test_a_decode_result_that_never_comes_fails_its_rows_and_the_engine_goes_on(engine):
+    """The backstop behind the backend's own deadlines: a call whose future never resolves."""
+    from concurrent.futures import Future
+
+    clean = run(engine, PROMPTS)
+    backend, submit = engine.backend, engine.backend.submit_decode
+    backend.decode_backstop_s = 0.2
+    calls = {"n": 0}
+
+    def hanging(*args):
+        calls["n"] += 1
+        return Future() if calls["n"] == 5 else submit(*args)
+    backend.submit_decode = hanging
+    try:
+        outs = run(engine, PROMPTS)
+    finally:
+        backend.submit_decode = submit
+    finals = [o[-1] for o in outs.values()]
+    assert [f.finish_reason for f in finals] == ["error"] * 3          # one mini-batch: all three rows
+    assert all("no attention result within 0.2 s" in f.error for f in finals)
+    assert engine.healthy and backend.stats()["sequences"] == 0
+    assert [tokens(o) for o in run(engine, PROMPTS).values()] == [tokens(o) for o in clean.values()]

@@ -87,6 +87,9 @@ class AttentionBackend(ABC):
     # resources the S-Part does not use: then the engine splits a step into mini-batches that
     # overlap with it. False when the work runs on the S-Part's own cores: overlap gains nothing.
     overlaps = True
+    # The longest the engine waits for one decode result before failing its rows: a backstop
+    # behind the backend's own deadlines, so a call that never resolves cannot hang the engine.
+    decode_backstop_s = 300.0
 
     def __init__(self, spec: KVSpec) -> None:
         self.spec = spec

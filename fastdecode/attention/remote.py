@@ -351,6 +351,7 @@ class RemoteAttention(AttentionBackend):
         if shards > spec.num_kv_heads:
             raise ValueError(f"RemoteAttention: head_shards={shards} > num_kv_heads={spec.num_kv_heads}")
         self.timeout = float(config.rworker_timeout_s)
+        self.decode_backstop_s = 3 * self.timeout + 5.0      # the monitor fails overdue calls long before
         self.kv_format = config.kv_format
         group = spec.num_heads // spec.num_kv_heads
         bounds = [j * spec.num_kv_heads // shards for j in range(shards + 1)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
@@ -127,7 +128,10 @@ class ModelRunner:
         t = time.perf_counter()
         future, mb.future = mb.future, None
         try:
-            o = future.result()
+            try:
+                o = future.result(timeout=self.backend.decode_backstop_s)
+            except FutureTimeout:
+                raise AttentionError(f"no attention result within {self.backend.decode_backstop_s:g} s") from None
         except SequencesLost as e:
             o = self._drop(mb, e, lost)
         except KVCapacityError as e:
@@ -159,7 +163,7 @@ class ModelRunner:
             return None
         idx = torch.tensor(keep)
         try:
-            return self._submit(layer, mb.seq_ids, q[idx], k[idx], v[idx]).result()
+            return self._submit(layer, mb.seq_ids, q[idx], k[idx], v[idx]).result(self.backend.decode_backstop_s)
         except Exception as e:
             failed.update((s, f"{type(e).__name__}: {e}") for s in mb.seq_ids)
             self._keep(mb, [])
