@@ -7,31 +7,20 @@ import asyncio
 import openai
 import pytest
 
-from fastdecode.serve import free_port, tritonserver_binary
-from openai_frontend.testing import Frontend, engine_load, post, wait_for, with_chat_template
+from fastdecode.serve import tritonserver_binary
+from openai_frontend.testing import engine_load, post, wait_for
+from test_openai_frontend import NAME, api, chat_model_dir  # noqa: F401  (the frontend before the same deployment)
 from test_triton import fleet, server  # noqa: F401  (test_triton's deployment fixtures)
 
 pytestmark = [pytest.mark.triton,
               pytest.mark.skipif(not tritonserver_binary().exists(),
                                  reason=f"tritonserver binary missing ({tritonserver_binary()})")]
 
-NAME = "tiny"
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "Answer in one line."}, {"role": "user", "content": "Hello, world! 🙂"}]
 GREEDY = {"temperature": 0, "max_tokens": 20}
 
 
-@pytest.fixture(scope="module")
-def chat_model_dir(tiny_model_dir, tmp_path_factory):
-    return with_chat_template(tiny_model_dir, tmp_path_factory.mktemp("chat_model"))
-
-
-@pytest.fixture(scope="module")
-def api(server, chat_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("openai_frontend") / "frontend.log"
-    with Frontend(server.grpc_url, chat_model_dir, free_port(), name=NAME, log_path=log) as f:
-        yield f
-    assert not f.killed and f.exit_code == 0, f.log()
 
 
 @pytest.fixture(scope="module")
