@@ -6,40 +6,15 @@ import numpy as np
 from python_backend.errors import UNAVAILABLE
 from python_backend.host import EngineHost
 from python_backend.metrics import Metrics
+from test_response_coalescing import GatedTransport, ManualEngine
 
 
-class Transport:
-    def __init__(self):
-        self.sent = []
-
-    def send(self, sender, outputs, error, final):
-        self.sent.append((sender, outputs, error, final))
-
-    def is_cancelled(self, sender):
-        return False
-
-    def unload(self):
-        pass
-
-    def log(self, level, message):
-        pass
-
-
-class Engine:
-    max_model_len = 100
-
-    def __init__(self):
-        self.ready, self.healthy, self.added = True, True, []
-
-    def add_request(self, prompt, params, request_id=None, on_output=None):
-        self.added.append(request_id)
-        return request_id
-
-    def abort(self, request_id):
-        pass
-
-    def stop(self):
-        pass
+def fakes():
+    """test_response_coalescing's engine and transport: requests registered, responses recorded."""
+    engine, transport = ManualEngine(), GatedTransport()
+    engine.ready = True
+    transport.gate.set()
+    return engine, transport
 
 
 def request():
@@ -47,16 +22,16 @@ def request():
 
 
 def test_requests_are_refused_with_unavailable_while_the_engine_is_not_ready():
-    engine, transport = Engine(), Transport()
+    engine, transport = fakes()
     host = EngineHost(engine, transport, make_params=lambda d: d, cancel_poll_s=60, metrics_interval_s=60)
     try:
         engine.ready = False
         assert host.submit("a", request()) is None
         (sender, outputs, error, final), = transport.sent
         assert (sender, outputs, final, error.code) == ("a", None, True, UNAVAILABLE)
-        assert "R-worker" in error.message and not engine.added
+        assert "R-worker" in error.message and not engine.callbacks
         engine.ready = True                       # the workers are back: requests flow again
-        assert host.submit("b", request()) is not None and len(engine.added) == 1
+        assert host.submit("b", request()) is not None and len(engine.callbacks) == 1
     finally:
         host.shutdown()
 
