@@ -439,7 +439,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from fastdecode.config import EngineConfig
-    from python_backend.config import resolve_path
+    from fastdecode.config import resolve_path
 
     model_dir = resolve_path(a.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

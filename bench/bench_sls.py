@@ -1,4 +1,4 @@
-"""SLS versus FCFS on the real engine (PAPER.md Figure 11), and the perf model checked
+"""SLS versus FCFS on the real engine (the paper's Figure 11, docs/design.md), and the perf model checked
 against measured step times.
 
     make bench-sls          # or: python bench/bench_sls.py [--quick] [--configs default rheavy 7b] [--repeats N]
@@ -31,7 +31,7 @@ Configurations:
            thread beside the S-Part's one): R-Part time grows with the context as in the paper
            (R-workers > 75% busy), where the remote backend on this loaded 2-core machine spends
            most of each call in gRPC. Its S-Part is cheap next to its R-Part, the balance a GPU
-           S-worker has (PAPER.md) but this CPU-only machine cannot give the default model at
+           S-worker has (docs/design.md) but this CPU-only machine cannot give the default model at
            lengths a 10-minute run affords.
   7b       Llama-7B layer shapes (hidden 4096, 32 heads, 11008 MLP), 2 layers, random weights:
            perf model + model check at one batch, if memory allows.
@@ -56,7 +56,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fastdecode.config import DEFAULT_MODEL_DIR, EngineConfig  # noqa: E402
-from fastdecode.perfmodel import PerfModel, build_perf_model, floor_model  # noqa: E402
+from fastdecode.perf_measure import build_perf_model  # noqa: E402
+from fastdecode.perfmodel import PerfModel, floor_model  # noqa: E402
 from fastdecode.trace import summarize  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"

@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from fastdecode.serve import TritonServer, write_model_repository
-    from python_backend.config import resolve_path
+    from fastdecode.config import resolve_path
 
     params = {"model": resolve_path(args.model), "max_running": str(max(args.streams, 1))}
     params.update(dict(item.split("=", 1) for item in args.param))

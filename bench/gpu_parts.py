@@ -153,7 +153,7 @@ def r_points_through(backend, batch: int, prompt: int, gen: int, repeats: int) -
     """R-Part seconds (median, min) of one call through a live backend (all its R-workers as one)
     for a mini-batch of a `batch` run: batch/2 sequences at the contexts of its first, middle and
     last decode steps (a call's fixed cost grows with its sequences: measured where it is used)."""
-    from fastdecode.perfmodel import measure_r_backend
+    from fastdecode.perf_measure import measure_r_backend
 
     seqs = max(1, batch // 2)
     contexts = sorted({seqs * prompt, seqs * (prompt + gen // 2), seqs * (prompt + gen)})
@@ -232,7 +232,7 @@ def need_model(ctx: Context, name: str) -> str:
 
 def s_part(ctx: Context, budget: Budget) -> dict:
     """T(B) per layer and H(B) per step of the engine's own S-Part code on the device."""
-    from fastdecode.perfmodel import measure_s_part
+    from fastdecode.perf_measure import measure_s_part
 
     p = ctx.profile
     out = {}
@@ -252,7 +252,7 @@ def s_part(ctx: Context, budget: Budget) -> dict:
 
 def r_part(ctx: Context, budget: Budget) -> dict:
     """One layer's decode (append + attend) on one KVStore with an R-worker's threads."""
-    from fastdecode.perfmodel import measure_r_part
+    from fastdecode.perf_measure import measure_r_part
 
     p = ctx.profile
     threads = rworker_threads(p)

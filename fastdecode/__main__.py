@@ -12,7 +12,7 @@ import sys
 COMMANDS = {
     "generate": "fastdecode.engine.cli",
     "bench": "fastdecode.engine.cli",
-    "plan": "fastdecode.perfmodel",
+    "plan": "fastdecode.ops.plan",
 }
 
 

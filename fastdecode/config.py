@@ -1,12 +1,17 @@
-"""The one configuration object of fastdecode.
+"""The one configuration object of fastdecode, and the one way to it from text.
 
-Every setting the engine, the attention backends and the scheduler read lives
-here. Environment variables are read in `EngineConfig.from_env` and nowhere else.
+Every setting the engine, the attention backends and the scheduler read lives in
+`EngineConfig`. Every entry point (Triton model parameters, `make serve --param`,
+`python -m fastdecode`, benches) turns its text settings into one with
+`config_from_settings`. This module is the only reader of environment variables.
 """
 from __future__ import annotations
 
+import json
+import math
 import os
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +53,7 @@ class EngineConfig:
     max_running: int = 512                # sequences decoding at once
     max_waiting: int = 4096               # queued requests before new ones are refused
     max_prefill_tokens: int = 4096        # prompt tokens prefilled in one step
-    num_minibatches: int = 2              # ping-pong mini-batches (PAPER.md, "Pipeline")
+    num_minibatches: int = 2              # ping-pong mini-batches (docs/design.md, "Pipeline")
     scheduler: str = "fcfs"               # fcfs | sls
     sls_f: int = 8                        # admit a micro-batch every F steps
     sls_w_lim: int = 0                    # bound on total context in flight; 0 = derive
@@ -124,6 +129,94 @@ class EngineConfig:
                 values[f.name] = env
         values.update(overrides)
         return cls.from_dict(values)
+
+
+# ---- text settings -> EngineConfig
+
+PATH_SETTINGS = ("model", "trace_path", "rworker_tls_ca", "rworker_tls_cert", "rworker_tls_key")
+
+
+def config_from_settings(settings: Mapping[str, object], plan: str = "", root: Path = REPO_ROOT) -> EngineConfig:
+    """Explicit settings (strings or typed values), over a plan file's (`python -m fastdecode plan`),
+    over FASTDECODE_* environment variables, over the defaults. R-worker addresses with no
+    `attention` setting mean attention=remote; relative paths resolve against `root`."""
+    explicit = _resolved(settings, root)
+    planned = _resolved(load_plan(plan), root) if plan else {}
+    if not planned:
+        return _from_layers(explicit)
+    try:
+        return _from_layers({**planned, **explicit})
+    except ValueError as e:
+        _from_layers(explicit)                  # still fails without the plan: not the plan's fault
+        raise ValueError(f"plan {plan}: its settings ({', '.join(sorted(planned))}) are not valid here: {e}") from None
+
+
+def _resolved(settings: Mapping[str, object], root: Path) -> dict:
+    return {k: (resolve_path(v, root) if k in PATH_SETTINGS and isinstance(v, str) and v else v)
+            for k, v in settings.items()}
+
+
+def _from_layers(values: dict) -> EngineConfig:
+    if values.get("rworkers") and "attention" not in values:
+        values = {**values, "attention": "remote"}
+    return EngineConfig.from_env(**values)
+
+
+def resolve_path(value: str, root: Path = REPO_ROOT) -> str:
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else (root / path))
+
+
+def load_plan(path: str) -> dict:
+    """The EngineConfig settings of a plan file, as `python -m fastdecode plan` writes it
+    (fastdecode/ops/plan.py): {"settings": {field: value}, "plan": {...}, "perf_model": {...}}.
+    A file that cannot be read, has no non-empty "settings" object, or names a setting that is not an
+    EngineConfig field or whose JSON value is not of the field's type is a ValueError naming it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"plan {path}: cannot read a JSON object: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"plan {path}: expected a JSON object, got {type(data).__name__}")
+    settings = data.get("settings")
+    if not isinstance(settings, dict) or not settings:
+        raise ValueError(f'plan {path}: no "settings" object with at least one setting; write the file '
+                         f"with `python -m fastdecode plan --model DIR --out FILE`")
+    types = {f.name: f.type for f in fields(EngineConfig)}
+    unknown = sorted(set(settings) - set(types))
+    if unknown:
+        raise ValueError(f"plan {path}: unknown setting(s) {unknown}; settings must be EngineConfig fields")
+    values = {}
+    for key, value in settings.items():
+        ok, converted = _json_setting(types[key], value)
+        if not ok:
+            raise ValueError(f"plan {path}: setting {key}={json.dumps(value)} is not a valid {types[key]}")
+        values[key] = converted
+    return values
+
+
+def _json_setting(type_name: str, value) -> tuple[bool, object]:
+    """(is `value`, a JSON value, of EngineConfig field type `type_name`?, the value to use)."""
+    if type_name == "bool":
+        return isinstance(value, bool), value
+    if isinstance(value, bool):
+        return False, value
+    if type_name == "int":
+        return isinstance(value, int), value
+    if type_name == "float":
+        ok = isinstance(value, (int, float)) and math.isfinite(value)
+        return ok, float(value) if ok else value
+    if type_name == "str":
+        return isinstance(value, str), value
+    if type_name.startswith("tuple"):
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        return ok, tuple(value) if ok else value
+    return False, value
+
+
+def process_env(**extra: str) -> dict[str, str]:
+    """This process's environment with `extra` set: for the processes fastdecode starts."""
+    return {**os.environ, **extra}
 
 
 def _coerce(type_name: str, raw, key: str):

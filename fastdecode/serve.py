@@ -44,6 +44,9 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from fastdecode.config import process_env
+from python_backend.config import build_configs
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_MODEL_NAME = "fastdecode"
@@ -82,7 +85,7 @@ def ensure_stub() -> Path:
 
 
 def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
+    env = process_env()
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     libs = pytriton_dir().parent / "nvidia_pytriton.libs"
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (python_libdir(), env.get("LD_LIBRARY_PATH", ""), str(libs)) if p)
@@ -363,14 +366,21 @@ def cmd_start(args) -> int:
     params = _engine_parameters(args)
     fleet = None
     if args.rworkers_at:
-        params.update(attention="remote", rworkers=args.rworkers_at)
+        params["rworkers"] = args.rworkers_at
     elif args.rworkers > 0:
         from rworker.fleet import LocalFleet
 
         print(f"starting {args.rworkers} local R-worker(s) ...", file=sys.stderr)
         fleet = LocalFleet(args.rworkers, run_dir / "rworkers", kv_capacity=args.kv_capacity).start()
-        params.update(attention="remote", rworkers=",".join(fleet.addresses))
+        params["rworkers"] = ",".join(fleet.addresses)
         print(f"R-workers: {','.join(fleet.addresses)}", file=sys.stderr)
+    try:
+        build_configs(params)               # bad settings fail here, not as a model that will not load
+    except ValueError as e:
+        print(f"fastdecode.serve: {e}", file=sys.stderr)
+        if fleet is not None:
+            fleet.stop()
+        return 2
     repo = write_model_repository(run_dir / "model_repository", params)
     server = TritonServer(repo, run_dir, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port)

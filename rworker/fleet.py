@@ -52,7 +52,7 @@ from typing import Sequence
 
 import psutil
 
-from fastdecode.config import parse_size
+from fastdecode.config import parse_size, process_env
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PLAYBOOK = REPO_ROOT / "deploy" / "ansible" / "rworkers.yml"
@@ -415,7 +415,7 @@ def build_wheelhouse(out_dir: Path) -> Path:
 def _run_ansible(cmd: list[str], capture: bool = False) -> str:
     exe = Path(sys.executable).parent / cmd[0]
     cmd = [str(exe) if exe.exists() else cmd[0], *cmd[1:]]
-    env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_RETRY_FILES_ENABLED": "0"}
+    env = process_env(ANSIBLE_NOCOLOR="1", ANSIBLE_RETRY_FILES_ENABLED="0")
     try:
         # The playbook's report goes to stderr: stdout carries only the addresses.
         proc = subprocess.run(cmd, env=env, text=True, stdout=subprocess.PIPE if capture else sys.stderr)

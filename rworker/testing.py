@@ -3,25 +3,22 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 from pathlib import Path
 
 from rworker.fleet import LocalFleet
 
 
-def store_kind() -> str:
-    """The KV store of test R-workers: the C++ kernel's, unless FASTDECODE_RWORKER_STORE names
-    another (numpy: the reference store). A kernel that does not import is an error, not a switch
-    to another store."""
-    forced = os.environ.get("FASTDECODE_RWORKER_STORE")
-    if forced:
-        return forced
+def store_kind(asked: str = "kernel") -> str:
+    """The KV store of test R-workers: the C++ kernel's unless a test asks for another by name
+    (numpy: the reference store). A kernel that does not import is an error, not a switch to
+    another store."""
+    if asked != "kernel":
+        return asked
     try:
         from fastdecode.kernels import KVStore  # noqa: F401
     except ImportError as e:
         raise ImportError(f"R-workers need the C++ kernel store, and fastdecode.kernels does not import ({e}); "
-                          "run `make build`, or set FASTDECODE_RWORKER_STORE=numpy to ask for the numpy "
-                          "reference store") from e
+                          "run `make build`") from e
     return "kernel"
 
 

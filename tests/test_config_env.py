@@ -64,3 +64,44 @@ def test_rworker_token_from_the_environment_reaches_the_engine_config(clean_env)
     assert engine.rworker_token == "explicit"
     clean_env.delenv("FASTDECODE_RWORKER_TOKEN")
     assert build_configs({})[0].rworker_token == ""
+
+
+# ---- one way from text to an EngineConfig: the CLI, Triton's parameters and `make serve` share it
+
+def test_cli_and_triton_parameters_give_the_same_config(clean_env, tmp_path):
+    import argparse
+
+    from fastdecode.engine.cli import _config, _engine_args
+
+    clean_env.setenv("FASTDECODE_MAX_RUNNING", "7")
+    p = argparse.ArgumentParser()
+    _engine_args(p)
+    a = p.parse_args(["--model", str(tmp_path), "--rworkers", "127.0.0.1:1,127.0.0.1:2", "--param", "sls_f=3"])
+    from_cli = _config(a)
+    from_triton, _ = build_configs({"model": str(tmp_path), "rworkers": "127.0.0.1:1,127.0.0.1:2", "sls_f": "3"})
+    assert from_cli == from_triton
+    assert from_cli.attention == "remote" and from_cli.max_running == 7 and from_cli.sls_f == 3
+    assert _config(p.parse_args(["--model", str(tmp_path)])).attention == EngineConfig.attention
+
+
+@pytest.mark.parametrize("argv, words", [(["--param", "sls_f"], "KEY=VALUE"), (["--param", "nope=1"], "nope"),
+                                         (["--param", "max_running=lots"], "max_running"),
+                                         (["--attention", "remote"], "R-worker address")])
+def test_cli_garbage_settings_exit_with_the_reason(clean_env, argv, words):
+    import argparse
+
+    from fastdecode.engine.cli import _config, _engine_args
+
+    p = argparse.ArgumentParser()
+    _engine_args(p)
+    with pytest.raises(SystemExit) as e:
+        _config(p.parse_args(argv))
+    assert words in str(e.value)
+
+
+def test_serve_refuses_bad_settings_before_starting_anything(tmp_path, capsys):
+    from fastdecode import serve
+
+    code = serve.main(["start", "--run-dir", str(tmp_path), "--openai-port", "0", "--param", "scheduler=lifo"])
+    assert code == 2 and "scheduler must be one of" in capsys.readouterr().err
+    assert not (tmp_path / "tritonserver.pid").exists() and not (tmp_path / "model_repository").exists()

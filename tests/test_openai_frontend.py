@@ -391,7 +391,7 @@ def test_client_leaving_a_stream_cancels_its_requests(api, server):
         assert wait_for(lambda: engine_load(server.metrics_url)["running"] == 2)
     # the connection is closed here, mid-stream
     assert wait_for(lambda: idle(server)), engine_load(server.metrics_url)
-    assert wait_for(lambda: cancelled(server) == before + 2, timeout=5), (cancelled(server), before)
+    assert wait_for(lambda: cancelled(server) == before + 2, timeout=30), (cancelled(server), before)
     status, body = post(url(api, "completions"), GOOD)
     assert status == 200, body
 
@@ -403,7 +403,7 @@ def test_client_leaving_a_non_streamed_request_cancels_it(api, server):
         httpx.post(url(api, "chat/completions"), timeout=1.0,
                    json={**GOOD_CHAT, "max_tokens": 450, "ignore_eos": True})
     assert wait_for(lambda: idle(server)), engine_load(server.metrics_url)
-    assert wait_for(lambda: cancelled(server) == before + 1, timeout=5), (cancelled(server), before)
+    assert wait_for(lambda: cancelled(server) == before + 1, timeout=30), (cancelled(server), before)
 
 
 # ---- last: crashes the engine, then reloads the model
@@ -425,7 +425,7 @@ def test_a_crashed_engine_ends_streams_with_an_error_and_is_503_until_reloaded(a
         assert set(error) == {"error"} and error["error"]["message"], rest[-2]
 
         assert wait_for(lambda: not triton.is_model_ready("fastdecode"))
-        assert wait_for(lambda: post(url(api, "completions"), GOOD)[0] == 503, timeout=5)
+        assert wait_for(lambda: post(url(api, "completions"), GOOD)[0] == 503, timeout=30)
         status, body = post(url(api, "chat/completions"), GOOD_CHAT)
         assert_openai_error(status, body, 503)
         assert body["error"]["code"] == "model_not_ready"

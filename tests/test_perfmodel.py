@@ -8,8 +8,9 @@ import math
 import pytest
 
 from fastdecode.config import EngineConfig
-from fastdecode.perfmodel import (Curve, PerfModel, fit_line, floor_model, main, measure_r_part, measure_s_part,
-                                  plan)
+from fastdecode.ops.plan import main
+from fastdecode.perf_measure import measure_r_part, measure_s_part
+from fastdecode.perfmodel import Curve, PerfModel, fit_line, floor_model, plan
 from fastdecode.scheduler import create_scheduler
 from fastdecode.scheduler.sls import SLSScheduler
 

@@ -147,7 +147,7 @@ class FakeTransport:
     def log(self, level, message):
         self.logs.append((level, message))
 
-    def wait_final(self, sender, timeout=5.0):
+    def wait_final(self, sender, timeout=60.0):
         with self.done:
             ok = self.done.wait_for(lambda: any(f for _, _, f in self.sent.get(sender, [])), timeout)
         assert ok, f"no final response for {sender}: {self.sent.get(sender)}"
@@ -287,9 +287,10 @@ def test_build_configs_resolves_paths_and_rejects_unknown(tmp_path):
 
 
 def write_real_plan(tmp_path, seq_len=512) -> tuple[Path, dict]:
-    """A plan file written by the real `plan` command (fastdecode.perfmodel.main) from a small
+    """A plan file written by the real `plan` command (fastdecode.ops.plan.main) from a small
     linear perf model (T(B) = 2 ms + 10 us * B, as tests/test_perfmodel.py)."""
-    from fastdecode.perfmodel import Curve, PerfModel, main
+    from fastdecode.ops.plan import main
+    from fastdecode.perfmodel import Curve, PerfModel
 
     xs = (1, 16, 64, 256, 1024)
     pm = PerfModel(8, Curve.of({x: 2e-3 + 1e-5 * x for x in xs}), Curve.of({x: 1e-3 + 1e-6 * x for x in xs}),

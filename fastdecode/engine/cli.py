@@ -5,25 +5,39 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
-from fastdecode.config import ATTENTION_BACKENDS, DTYPES, KV_FORMATS, EngineConfig
+from fastdecode.config import ATTENTION_BACKENDS, DTYPES, KV_FORMATS, EngineConfig, config_from_settings
+
+
+# flag -> EngineConfig field; a flag not given leaves the setting to FASTDECODE_* or the default
+FLAGS = {"model": "model", "attention": "attention", "rworkers": "rworkers", "dtype": "dtype",
+         "kv_format": "kv_format", "device": "device", "minibatches": "num_minibatches"}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=EngineConfig.model, help="local HF model directory")
-    p.add_argument("--attention", choices=ATTENTION_BACKENDS, default="local")
-    p.add_argument("--rworkers", default="", help="comma-separated host:port of R-workers (attention=remote)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto")
-    p.add_argument("--kv-format", choices=KV_FORMATS, default="fp16")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--minibatches", type=int, default=2, choices=(1, 2))
+    p.add_argument("--model", help=f"local HF model directory (default {EngineConfig.model})")
+    p.add_argument("--attention", choices=ATTENTION_BACKENDS,
+                   help=f"default {EngineConfig.attention}; remote when --rworkers is given")
+    p.add_argument("--rworkers", help="comma-separated host:port of R-workers (attention=remote)")
+    p.add_argument("--dtype", choices=DTYPES, help=f"default {EngineConfig.dtype}")
+    p.add_argument("--kv-format", choices=KV_FORMATS, help=f"default {EngineConfig.kv_format}")
+    p.add_argument("--device", help=f"default {EngineConfig.device}")
+    p.add_argument("--minibatches", choices=("1", "2"), help=f"default {EngineConfig.num_minibatches}")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="any EngineConfig setting")
 
 
 def _config(a: argparse.Namespace, **extra) -> EngineConfig:
-    rworkers = tuple(x.strip() for x in a.rworkers.split(",") if x.strip())
-    attention = "remote" if rworkers and a.attention == "local" else a.attention
-    return EngineConfig(model=a.model, attention=attention, rworkers=rworkers, dtype=a.dtype,
-                        kv_format=a.kv_format, device=a.device, num_minibatches=a.minibatches, **extra)
+    settings = {field: getattr(a, flag) for flag, field in FLAGS.items() if getattr(a, flag) is not None}
+    for item in a.param:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--param wants KEY=VALUE, got {item!r}")
+        settings[key.strip()] = value
+    try:
+        return config_from_settings({**settings, **extra}, root=Path.cwd())
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def generate(argv: list[str]) -> int:

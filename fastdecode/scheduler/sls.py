@@ -1,4 +1,4 @@
-"""Sequence-level load-stabilizing schedule (SLS): PAPER.md, Algorithm 1, for real traffic.
+"""Sequence-level load-stabilizing schedule (SLS): docs/design.md and the paper's Algorithm 1, for real traffic.
 
 The R-Part of a step costs time in proportion to the total context in flight, so
 SLS bounds that total by W_lim and staggers admissions: a micro-batch may start
