@@ -31,6 +31,7 @@ proven on a CPU-only machine:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -44,8 +45,7 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from fastdecode.config import process_env
-from python_backend.config import build_configs
+from fastdecode.config import EngineConfig, config_from_settings, process_env
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -374,8 +374,9 @@ def cmd_start(args) -> int:
         fleet = LocalFleet(args.rworkers, run_dir / "rworkers", kv_capacity=args.kv_capacity).start()
         params["rworkers"] = ",".join(fleet.addresses)
         print(f"R-workers: {','.join(fleet.addresses)}", file=sys.stderr)
-    try:
-        build_configs(params)               # bad settings fail here, not as a model that will not load
+    try:                                    # bad settings fail here, not as a model that will not load
+        engine_keys = {f.name for f in dataclasses.fields(EngineConfig)}
+        config_from_settings({k: v for k, v in params.items() if k in engine_keys}, plan=params.get("plan", ""))
     except ValueError as e:
         print(f"fastdecode.serve: {e}", file=sys.stderr)
         if fleet is not None:

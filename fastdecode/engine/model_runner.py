@@ -190,13 +190,17 @@ class ModelRunner:
     def prefill(self, seq_ids: list[int], token_lists: list[list[int]],
                 refused: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
         """Run whole prompts through the S-Part (attention here, SDPA causal) and store
-        their k, v in the backend. Returns the last-position logits [n, vocab] of every
-        sequence and the ids whose KV was lost on the way (their logits are unusable).
+        their k, v in the backend. Identical prompts (the n choices of one request) run once
+        and their k, v are stored for each sequence. Returns the last-position logits [n, vocab]
+        of every sequence and the ids whose KV was lost on the way (their logits are unusable).
         With `refused`, the ids an R-worker refused KV for are dropped into it like lost ones;
         else, and for a whole call refused, KVCapacityError propagates; any other backend
         failure as an AttentionError."""
-        lens = [len(t) for t in token_lists]
-        tokens = torch.tensor([t for ts in token_lists for t in ts], device=self.device)
+        unique: dict[tuple[int, ...], int] = {}
+        prompt_of = [unique.setdefault(tuple(t), len(unique)) for t in token_lists]
+        prompts = list(unique)
+        lens = [len(t) for t in prompts]
+        tokens = torch.tensor([t for ts in prompts for t in ts], device=self.device)
         pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         h = self.model.embed(tokens)
         rope = self.model.rope_tables(pos, h.dtype)
@@ -209,14 +213,16 @@ class ModelRunner:
             q, k, v = self.model.pre_attention(layer, h, rope)
             o = self.model.prefill_attention(q, k, v, lens)
             if alive:
-                if len(alive) == len(seq_ids):
+                if len(alive) == len(seq_ids) and len(prompts) == len(seq_ids):
                     ks, vs = k.contiguous().cpu(), v.contiguous().cpu()
                 else:
-                    idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in alive]).to(k.device)
+                    idx = torch.cat([torch.arange(starts[prompt_of[i]], starts[prompt_of[i] + 1])
+                                     for i in alive]).to(k.device)
                     ks, vs = k[idx].cpu(), v[idx].cpu()
                 t = time.perf_counter()
                 try:
-                    self.backend.prefill(layer, [seq_ids[i] for i in alive], [lens[i] for i in alive], ks, vs)
+                    self.backend.prefill(layer, [seq_ids[i] for i in alive], [lens[prompt_of[i]] for i in alive],
+                                         ks, vs)
                 except (SequencesLost, KVCapacityError) as e:
                     if isinstance(e, KVCapacityError) and (refused is None or e.seq_ids is None):
                         raise
@@ -234,4 +240,5 @@ class ModelRunner:
                     self.times.r_intervals.append((t, done))
             h = self.model.post_attention(layer, h, o)
         last = torch.tensor(starts[1:], device=self.device) - 1
-        return self.model.logits(h[last]), lost
+        logits = self.model.logits(h[last])
+        return (logits if len(prompts) == len(seq_ids) else logits[torch.tensor(prompt_of, device=logits.device)]), lost
