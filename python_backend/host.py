@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol
 
 from python_backend.errors import UNAVAILABLE, BadRequest, ErrorInfo, map_exception
 from python_backend.metrics import Metrics
-from python_backend.request import GenerateRequest, parse_request
+from python_backend.request import GenerateRequest, choice_sampling, parse_request
 from python_backend.response import Outputs, ResponseBuilder
 
 
@@ -38,11 +38,14 @@ class Transport(Protocol):
 
 @dataclass
 class Live:
+    """One engine request: a Triton request, or one of its n choices (they share the builder)."""
     request_id: str
     sender: Any
     request: GenerateRequest
     builder: ResponseBuilder
     arrival: float
+    choice: int = 0
+    siblings: list["Live"] | None = None      # all n choices of the Triton request, when n > 1
     first_token: float | None = None
     cancelled: bool = False
     done: bool = False
@@ -91,23 +94,33 @@ class EngineHost:
             request = parse_request(get_input, parameters)
             self._check_max_tokens(request.sampling)
             try:
-                params = self.make_params(request.sampling)
+                params = [self.make_params(choice_sampling(request.sampling, i)) for i in range(request.n)]
             except Exception as e:   # whatever SamplingParams.from_dict raises is about the client's values
                 raise BadRequest(f"sampling_parameters: {e}") from None
         except Exception as e:
             self._send_error(sender, map_exception(e))
             return None
         request_id = f"{self._prefix}{next(self._ids)}"
-        live = Live(request_id, sender, request, ResponseBuilder(request), arrival=time.monotonic())
+        builder, now = ResponseBuilder(request), time.monotonic()
+        lives = [Live(request_id if request.n == 1 else f"{request_id}.{i}", sender, request, builder, now, i)
+                 for i in range(request.n)]
+        if request.n > 1:
+            for live in lives:
+                live.siblings = lives
         with self._lock:
-            self._live[request_id] = live
-        try:
-            self.engine.add_request(request.prompt, params, request_id=request_id, on_output=self.on_output)
-        except Exception as e:
-            with self._lock:
-                self._live.pop(request_id, None)
-            self._send_error(sender, map_exception(e))
-            return None
+            self._live.update((live.request_id, live) for live in lives)
+        for i, live in enumerate(lives):
+            try:
+                self.engine.add_request(request.prompt, params[i], request_id=live.request_id,
+                                        on_output=self.on_output)
+            except Exception as e:
+                with self._lock:
+                    for other in lives:
+                        self._live.pop(other.request_id, None)
+                for other in lives[:i]:
+                    self._abort(other)
+                self._send_error(sender, map_exception(e))
+                return None
         return request_id
 
     def _check_max_tokens(self, sampling: dict) -> None:
@@ -170,23 +183,31 @@ class EngineHost:
                 self.metrics.first_token(now - live.arrival, out.num_prompt_tokens)
         if self.metrics is not None:
             self.metrics.tokens(len(out.token_ids))
-        outputs, error = live.builder.on_output(out)
+        outputs, error = live.builder.on_output(out, live.choice)
+        final = live.builder.done
         if out.finished:
             self._finish(live)
             if self.metrics is not None:
                 self.metrics.request_finished(out.finish_reason, now - live.first_token, out.num_output_tokens)
-        if outputs is None and error is None and not out.finished:
+        if error is not None and live.siblings:       # one choice failed: the request ends with it
+            for other in live.siblings:
+                if not other.done:
+                    self._abort(other)
+                    self._finish(other)
+        if outputs is None and error is None and not final:
             return
         if live.cancelled and not out.finished:
             return
         try:
-            self.transport.send(live.sender, outputs, error, final=out.finished)
+            self.transport.send(live.sender, outputs, error, final=final)
         except Exception as e:                        # the client is gone: stop generating for it
             self.transport.log("warn", f"fastdecode: send failed for {live.request_id} ({e}); aborting it")
-            if not out.finished:
-                self._abort(live)
-        if out.finished:
-            live.sender = None      # Triton frees the request's response factory with the sender
+            for other in live.siblings or [live]:
+                if not other.done:
+                    self._abort(other)
+        if final:
+            for other in live.siblings or [live]:
+                other.sender = None  # Triton frees the request's response factory with the sender
 
     def _finish(self, live: Live) -> None:
         live.done = True
@@ -244,8 +265,10 @@ class EngineHost:
             lives, self._live = list(self._live.values()), {}
         for live in lives:
             live.done = True
-            self._send_error(live.sender, error)
-            live.sender = None
+            if live.sender is not None:
+                self._send_error(live.sender, error)
+            for other in live.siblings or [live]:
+                other.sender = None
             if self.metrics is not None:
                 self.metrics.request_finished("error", None, 0)
 
@@ -253,19 +276,9 @@ class EngineHost:
         if self.metrics is None:
             return
         try:
-            self.metrics.flush(self.engine.stats(), self._engine_trace())
+            self.metrics.flush(self.engine.stats(), engine_trace(self.engine))
         except Exception as e:
             self.transport.log("warn", f"fastdecode: metrics update failed: {e}")
-
-    def _engine_trace(self) -> list[dict] | None:
-        """engine.trace (its newest per-step records, a copy), None for an engine without one. The
-        copy is taken while the engine loop appends; should that race raise, the steps are not
-        lost: the next push takes them (Metrics hands each step out once, by step number)."""
-        try:
-            trace = getattr(self.engine, "trace", None)
-        except RuntimeError:                          # deque mutated during the copy
-            return None
-        return trace if isinstance(trace, list) else None
 
     def _send_error(self, sender, error: ErrorInfo) -> None:
         try:
@@ -287,6 +300,17 @@ class EngineHost:
         self._outputs.put(_STOP)
         self._thread.join(timeout)
         self._fail_all(ErrorInfo("model is unloading", UNAVAILABLE))
+
+
+def engine_trace(engine) -> list[dict] | None:
+    """engine.trace (its newest per-step records, a copy), None for an engine without one. The
+    copy is taken while the engine loop appends; should that race raise, the steps are not
+    lost: the next push takes them (Metrics hands each step out once, by step number)."""
+    try:
+        trace = getattr(engine, "trace", None)
+    except RuntimeError:                          # deque mutated during the copy
+        return None
+    return trace if isinstance(trace, list) else None
 
 
 def coalesce(batch: list) -> list:

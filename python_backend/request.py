@@ -3,7 +3,8 @@
 Inputs: text_input (STRING, required), stream (BOOL), sampling_parameters (STRING holding a
 JSON object: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
 repetition_penalty, frequency_penalty, presence_penalty, min_p, min_tokens, logprobs; the
-engine's SamplingParams checks them),
+engine's SamplingParams checks them; and n, the number of choices, 1..MAX_CHOICES, each its own
+engine request, seeded seed, seed+1, ... when a seed is given),
 exclude_input_in_output, return_finish_reason, return_num_input_tokens, return_num_output_tokens
 (BOOL). Without a sampling_parameters tensor the request's parameters are used instead (what
 Triton's generate endpoint makes of `"parameters": {...}`).
@@ -18,6 +19,7 @@ import numpy as np
 
 from python_backend.errors import BadRequest
 
+MAX_CHOICES = 16
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason",
          "return_num_input_tokens", "return_num_output_tokens")
 
@@ -31,6 +33,7 @@ class GenerateRequest:
     return_finish_reason: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    n: int = 1
 
     @property
     def prepend_prompt(self) -> bool:
@@ -59,7 +62,18 @@ def parse_request(get_input: Callable[[str], "np.ndarray | None"], parameters: s
         sampling = _json_object(_single_string(sampling_tensor, "sampling_parameters"), "sampling_parameters")
     else:
         sampling = {k: v for k, v in request_params.items() if k not in FLAGS and not k.startswith("triton_")}
-    return GenerateRequest(prompt=prompt, sampling=sampling, **flags)
+    n = sampling.pop("n", 1)
+    if type(n) is not int or not 1 <= n <= MAX_CHOICES:
+        raise BadRequest(f"sampling parameter 'n' must be an integer in 1..{MAX_CHOICES}, got {n!r}")
+    return GenerateRequest(prompt=prompt, sampling=sampling, n=n, **flags)
+
+
+def choice_sampling(sampling: dict, i: int) -> dict:
+    """The sampling parameters of choice i: seeds seed, seed+1, ... so that seeded choices differ."""
+    seed = sampling.get("seed")
+    if i == 0 or type(seed) is not int:
+        return sampling
+    return {**sampling, "seed": seed + i}
 
 
 def _request_parameters(parameters) -> dict:
@@ -108,7 +122,9 @@ def _single_bool(array, name: str) -> bool:
 def _json_object(text: str, name: str) -> dict:
     try:
         value = json.loads(text)
-    except (json.JSONDecodeError, TypeError) as e:
+    # ValueError: besides JSONDecodeError, bytes that are not UTF-8 and integers of over 4300 digits;
+    # RecursionError: arrays or objects nested too deep
+    except (ValueError, TypeError, RecursionError) as e:
         raise BadRequest(f"{name} is not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise BadRequest(f"{name} must be a JSON object, got {type(value).__name__}")

@@ -7,7 +7,8 @@ a JSON list with one entry per token of the response, {"token_id", "logprob", "t
 raw distribution, -inf written as -9999.0. Streaming: one response per text delta (the engine never splits a
 UTF-8 character, so neither do we); num_output_tokens counts the tokens since the previous
 response. Not streaming: one response with the whole text (prompt first unless
-exclude_input_in_output) and the total token count.
+exclude_input_in_output) and the total token count. With "n" in sampling_parameters, every
+tensor holds n elements, one per choice.
 """
 from __future__ import annotations
 
@@ -22,50 +23,69 @@ Outputs = dict  # output name -> numpy array
 
 
 class ResponseBuilder:
-    """Per-request state: turns each RequestOutput into the response to send, or None."""
+    """Per-request state: turns each RequestOutput of choice `i` (of the request's n) into the
+    response to send, or None. Every output tensor holds one element per choice; a streamed
+    response carries the delta of the choice it is about (the others' elements empty)."""
 
     def __init__(self, request: GenerateRequest):
         self.request = request
-        self.parts: list[str] = []
-        self.pending_tokens = 0
-        self.logprobs: list[dict] | None = [] if request.sampling.get("logprobs") is not None else None
+        n = request.n
+        self.parts: list[list[str]] = [[] for _ in range(n)]
+        self.pending_tokens = [0] * n
+        self.reasons: list[str | None] = [None] * n
+        self.num_output = [0] * n
+        self.logprobs: list[list[dict]] | None = ([[] for _ in range(n)] if request.sampling.get("logprobs")
+                                                  is not None else None)
+        self.failed = False
 
-    def on_output(self, out) -> tuple[Outputs | None, ErrorInfo | None]:
+    @property
+    def done(self) -> bool:
+        """The request's final response has been produced: every choice finished, or one failed."""
+        return self.failed or all(r is not None for r in self.reasons)
+
+    def on_output(self, out, i: int = 0) -> tuple[Outputs | None, ErrorInfo | None]:
         """(outputs, error) to send now; (None, None) = nothing to send yet."""
-        self.pending_tokens += len(out.token_ids)
+        self.pending_tokens[i] += len(out.token_ids)
         if self.logprobs is not None:
-            self.logprobs += [_logprob_entry(lp) for lp in getattr(out, "logprobs", None) or ()]
-        if out.finished and out.finish_reason == "error":
-            return None, ErrorInfo(f"generation failed: {out.error or 'engine error'}", INTERNAL)
-        if out.finished and out.finish_reason == "cancelled":
+            self.logprobs[i] += [_logprob_entry(lp) for lp in getattr(out, "logprobs", None) or ()]
+        if out.finished and out.finish_reason in ("error", "cancelled"):
+            self.failed = True
+            if out.finish_reason == "error":
+                return None, ErrorInfo(f"generation failed: {out.error or 'engine error'}", INTERNAL)
             return None, ErrorInfo("request cancelled", CANCELLED)
+        if out.finished:
+            self.reasons[i], self.num_output[i] = out.finish_reason, out.num_output_tokens
+        n = self.request.n
         if self.request.stream:
             if not out.text and not out.finished:
                 return None, None            # no complete character yet; its tokens count in the next delta
-            outputs = self._outputs(out.text, out.finish_reason if out.finished else None,
-                                    out.num_prompt_tokens, self.pending_tokens)
-            self.pending_tokens = 0
-            return outputs, None
-        self.parts.append(out.text)
-        if not out.finished:
+            texts, reasons, counts = [""] * n, [""] * n, [0] * n
+            texts[i], reasons[i], counts[i] = out.text, out.finish_reason if out.finished else "", self.pending_tokens[i]
+            self.pending_tokens[i] = 0
+            return self._outputs(texts, reasons, out.num_prompt_tokens, counts, only=i), None
+        self.parts[i].append(out.text)
+        if not self.done:
             return None, None
-        text = "".join(self.parts)
-        if self.request.prepend_prompt:
-            text = self.request.prompt + text
-        return self._outputs(text, out.finish_reason, out.num_prompt_tokens, out.num_output_tokens), None
+        prefix = self.request.prompt if self.request.prepend_prompt else ""
+        return self._outputs([prefix + "".join(p) for p in self.parts], self.reasons, out.num_prompt_tokens,
+                             self.num_output), None
 
-    def _outputs(self, text: str, finish_reason: str | None, num_input: int, num_output: int) -> Outputs:
+    def _outputs(self, texts: list[str], reasons: list, num_input: int, num_output: list[int],
+                 only: int | None = None) -> Outputs:
         r = self.request
-        outputs = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+        outputs = {"text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_)}
         if r.return_finish_reason:
-            outputs["finish_reason"] = np.array([(finish_reason or "").encode()], dtype=np.object_)
+            outputs["finish_reason"] = np.array([(x or "").encode() for x in reasons], dtype=np.object_)
         if r.return_num_input_tokens:
-            outputs["num_input_tokens"] = np.array([num_input], dtype=np.uint32)
+            outputs["num_input_tokens"] = np.array([num_input] * len(texts), dtype=np.uint32)
         if r.return_num_output_tokens:
-            outputs["num_output_tokens"] = np.array([num_output], dtype=np.uint32)
+            outputs["num_output_tokens"] = np.array(num_output, dtype=np.uint32)
         if self.logprobs is not None:
-            outputs["logprobs"] = np.array([json.dumps(self.logprobs).encode()], dtype=np.object_)
-            self.logprobs = []
+            lists = [self.logprobs[i] if only is None or i == only else [] for i in range(len(texts))]
+            outputs["logprobs"] = np.array([json.dumps(x).encode() for x in lists], dtype=np.object_)
+            for i in range(len(texts)):
+                if only is None or i == only:
+                    self.logprobs[i] = []
         return outputs
 
 
