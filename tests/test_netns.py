@@ -139,7 +139,7 @@ def test_workers_run_on_their_own_hosts(hosts, fleet):
 
 
 def test_remote_attention_across_hosts_matches_reference(fleet):
-    from fastdecode.attention.remote import RemoteAttention
+    from fastdecode.attention.remote.backend import RemoteAttention
 
     spec = KVSpec(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
     gen = torch.Generator().manual_seed(0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastdecode.attention.base import AttentionError, KVCapacityError, KVSpec, SequencesLost
-from fastdecode.attention.remote import RemoteAttention
+from fastdecode.attention.remote.backend import RemoteAttention
 from fastdecode.attention.torch_ref import TorchAttention
 from fastdecode.config import EngineConfig
 from rworker.testing import local_fleet, self_signed_cert
@@ -162,7 +162,7 @@ def test_over_capacity_raises_kv_capacity_error(tmp_path):
 
 
 def test_large_prefill_is_split_into_messages(fleet, monkeypatch):
-    import fastdecode.attention.remote as remote_mod
+    import fastdecode.attention.remote.messages as remote_mod
 
     monkeypatch.setattr(remote_mod, "MAX_MESSAGE_BYTES", 4096)   # ~32 tokens per message here
     spec = KVSpec(2, 4, 2, 16)
@@ -256,15 +256,16 @@ def test_token_and_tls(tmp_path):
             assert run_both(spec, backend, TorchAttention(spec), [1], [4], steps=1, gen=gen) < 1e-5
         finally:
             backend.shutdown()
-        bad = [dict(good, rworker_token="nope"),                        # wrong token
-               dict(good, rworker_token=""),                            # missing token
-               dict(good, rworker_tls_cert="", rworker_tls_key=""),     # no client cert (mTLS)
-               dict(rworker_token="tok", rworker_timeout_s=3.0)]        # plaintext to a TLS port
-        for kw in bad:
+        bad = [(dict(good, rworker_token="nope"), "UNAUTHENTICATED: wrong R-worker token"),
+               (dict(good, rworker_token=""), "UNAUTHENTICATED: missing R-worker token"),
+               (dict(good, rworker_tls_cert="", rworker_tls_key=""),     # no client cert (mTLS)
+                "if it wants mutual TLS, set rworker_tls_cert and rworker_tls_key"),
+               (dict(rworker_token="tok", rworker_timeout_s=3.0),        # plaintext to a TLS port
+                "if the R-worker serves TLS, set rworker_tls_ca")]
+        for kw, reason in bad:
             with pytest.raises(AttentionError, match="no R-worker group reachable") as e:
                 remote(spec, f.addresses, **kw)
-            if kw.get("rworker_tls_cert") and kw["rworker_token"] != "tok":
-                assert "UNAUTHENTICATED" in str(e.value)
+            assert reason in str(e.value), str(e.value)
 
 
 def test_draining_worker_keeps_its_sequences_but_gets_no_new_ones(tmp_path):
@@ -418,7 +419,7 @@ def test_failed_open_leaves_lost_sequences_lost(tmp_path):
 def test_worker_is_up_only_once_configured(fleet, monkeypatch):
     """A reconnecting worker takes no other call before its Configure is answered: one sent
     ahead of Configure on the new stream was refused ("Configure must be the first call")."""
-    from fastdecode.attention import remote as remote_mod
+    from fastdecode.attention.remote import connection as remote_mod
 
     spec = KVSpec(2, 4, 2, 16)
     backend = remote(spec, fleet.addresses[:1])
@@ -426,7 +427,7 @@ def test_worker_is_up_only_once_configured(fleet, monkeypatch):
         w = backend.workers[0]
         w.fail(w.generation, "test: stream broken")
         seen = []
-        send = remote_mod._Worker.send
+        send = remote_mod.WorkerConnection.send
 
         def spy(self, request, *args, **kw):
             if request.WhichOneof("op") == "configure":
@@ -435,7 +436,7 @@ def test_worker_is_up_only_once_configured(fleet, monkeypatch):
                 assert isinstance(self.send(pb_open([1])).exception(timeout=0), remote_mod.WorkerLost)
             return send(self, request, *args, **kw)
 
-        monkeypatch.setattr(remote_mod._Worker, "send", spy)
+        monkeypatch.setattr(remote_mod.WorkerConnection, "send", spy)
         assert backend._try_connect(w)
         assert seen == [False] and w.up
         backend.open([1])

@@ -60,7 +60,7 @@ def test_admission_waits_for_room_on_the_rworkers(tmp_path, tiny_model_dir, expe
     holds every slot and this engine runs nothing."""
     import grpc
 
-    from fastdecode.attention.remote import RemoteAttention
+    from fastdecode.attention.remote.backend import RemoteAttention
     from rworker.proto import rworker_pb2 as pb
     from rworker.proto import rworker_pb2_grpc as pb_grpc
 

@@ -423,12 +423,12 @@ def test_killed_s_worker_loses_its_kv(tmp_path):
 
 
 def test_s_worker_channel_keepalive_matches_the_server_policy(monkeypatch):
-    from fastdecode.attention import remote
+    from fastdecode.attention.remote import connection as remote
     from rworker.wire import MIN_CLIENT_PING_INTERVAL_MS, client_keepalive_options
 
     seen = {}
     monkeypatch.setattr(remote.grpc, "insecure_channel", lambda address, options: seen.update(options))
-    remote._Worker("127.0.0.1:1", 0, None, 1.0, None, (), lambda *a: None)._new_channel()
+    remote.WorkerConnection("127.0.0.1:1", 0, None, 1.0, None, (), lambda *a: None)._new_channel()
     assert set(client_keepalive_options()) <= set(seen.items())
     assert seen["grpc.keepalive_time_ms"] >= MIN_CLIENT_PING_INTERVAL_MS      # never "too many pings"
 
@@ -510,7 +510,8 @@ def test_health_port_serves_probes_in_plaintext_while_the_service_port_needs_mut
             with pytest.raises(grpc.RpcError) as e:
                 pb_grpc.RWorkerStub(ch).Stats(pb.StatsRequest(), timeout=10)
             assert e.value.code() == C.UNIMPLEMENTED
-        with pytest.raises(grpc.RpcError):                                      # plaintext on the TLS port
+        with pytest.raises(grpc.RpcError) as e:                                 # plaintext on the TLS port
             stats(server.address)
+        assert e.value.code() == C.UNAVAILABLE and "Socket closed" in e.value.details(), e.value.details()
         server.service.drain()
         assert health() == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -10,7 +10,7 @@ def create_backend(config, spec: KVSpec) -> AttentionBackend:
         from fastdecode.attention.local import LocalAttention
         return LocalAttention(spec, config)
     if config.attention == "remote":
-        from fastdecode.attention.remote import RemoteAttention
+        from fastdecode.attention.remote.backend import RemoteAttention
         return RemoteAttention(spec, config)
     if config.attention == "torch":
         from fastdecode.attention.torch_ref import TorchAttention
