@@ -79,6 +79,10 @@ class EngineConfig:
         check(self.num_minibatches in (1, 2), "num_minibatches must be 1 or 2")
         check(self.sls_f >= 1, "sls_f must be >= 1")
         check(self.head_shards >= 1, "head_shards must be >= 1")
+        check(bool(self.rworker_tls_cert) == bool(self.rworker_tls_key),
+              "rworker_tls_cert and rworker_tls_key go together (mutual TLS)")
+        check(not self.rworker_tls_cert or bool(self.rworker_tls_ca),
+              "mutual TLS (rworker_tls_cert) needs rworker_tls_ca to verify the R-workers")
         check(self.kv_block_size >= 1 and self.kv_capacity_bytes > 0, "kv_block_size and kv_capacity_bytes > 0")
         check(isinstance(self.kv_int4_fp16_tail, bool), "kv_int4_fp16_tail must be a bool")
         for name in ("kv_int4_k_group", "kv_int4_v_group"):

@@ -171,11 +171,12 @@ def _listen(server: grpc.Server, opts: ServerOptions) -> str:
         if not (opts.tls_cert and opts.tls_key):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         creds = server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)
-        port = server.add_secure_port(opts.listen, creds)
-    else:
-        if opts.tls_client_ca:
-            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-        port = server.add_insecure_port(opts.listen)
+    elif opts.tls_client_ca:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    try:
+        port = server.add_secure_port(opts.listen, creds) if opts.tls_cert else server.add_insecure_port(opts.listen)
+    except RuntimeError as e:               # grpc raises where older versions returned 0
+        raise OSError(f"cannot listen on {opts.listen}: {e}") from None
     if port == 0:
         raise OSError(f"cannot listen on {opts.listen}")
     return f"{opts.listen.rsplit(':', 1)[0]}:{port}"

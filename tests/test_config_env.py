@@ -105,3 +105,11 @@ def test_serve_refuses_bad_settings_before_starting_anything(tmp_path, capsys):
     code = serve.main(["start", "--run-dir", str(tmp_path), "--openai-port", "0", "--param", "scheduler=lifo"])
     assert code == 2 and "scheduler must be one of" in capsys.readouterr().err
     assert not (tmp_path / "tritonserver.pid").exists() and not (tmp_path / "model_repository").exists()
+
+
+@pytest.mark.parametrize("settings, words", [
+    ({"rworker_tls_cert": "c.pem"}, "go together"), ({"rworker_tls_key": "k.pem"}, "go together"),
+    ({"rworker_tls_cert": "c.pem", "rworker_tls_key": "k.pem"}, "needs rworker_tls_ca")])
+def test_half_a_tls_setup_is_an_error_not_plaintext(clean_env, settings, words):
+    with pytest.raises(ValueError, match=words):
+        build_configs({"rworkers": "127.0.0.1:1", **settings})
