@@ -61,7 +61,7 @@ def poison(engine: Engine, seq_index: int, layer: int, value: float) -> None:
 
 
 def engine_seq_ids(engine: Engine) -> list[int]:
-    return [s.seq_id for s in engine._running]
+    return [s.seq_id for s in engine.requests.running]
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("-inf"), 1e6])

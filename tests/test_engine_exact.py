@@ -104,7 +104,7 @@ def run_engine(engine: Engine, new_tokens: int) -> tuple[list[list[int]], dict[i
     try:
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
         rids = [engine.add_request(p, params) for p in PROMPTS]
-        seq_of = {rid: engine._requests[rid].seq_id for rid in rids}
+        seq_of = {rid: engine.requests.by_id[rid].seq_id for rid in rids}
         tokens = {rid: [] for rid in rids}
         reasons = {}
         while engine.has_unfinished():

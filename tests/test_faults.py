@@ -103,7 +103,7 @@ def test_kill_one_of_two_mid_generation(tiny_model_dir, expected, tmp_path):
                 elif n > 4 and run.engine.has_unfinished():
                     # Rebuilt: the survivor holds every running sequence, with each one's KV (its
                     # tokens but the last sampled one, which the next step feeds) and no more.
-                    running = list(run.engine._running)
+                    running = list(run.engine.requests.running)
                     want = (len(running), sum(s.num_tokens - 1 for s in running))
                     assert settles(survivor, want), (worker_kv(survivor), want)
                     assert run.engine.backend.stats()["kv_tokens"] == want[1]

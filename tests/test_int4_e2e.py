@@ -52,7 +52,7 @@ def drive(engine: Engine, prompts, max_tokens: int, on_step=lambda n: None, time
     try:
         params = SamplingParams.from_dict({"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
         rids = [engine.add_request(p, params, request_id=str(i)) for i, p in enumerate(prompts)]
-        seq_of = {rid: engine._requests[rid].seq_id for rid in rids}
+        seq_of = {rid: engine.requests.by_id[rid].seq_id for rid in rids}
         tokens = {rid: [] for rid in rids}
         finished = {}
         deadline = time.monotonic() + timeout
@@ -160,12 +160,12 @@ def test_int4_rworker_killed_mid_generation_is_recomputed(tiny_model_dir, tmp_pa
             def fault(n):
                 if n == 4:
                     placement = engine.backend.placement
-                    lost.extend(int(s.request_id) for s in engine._running
+                    lost.extend(int(s.request_id) for s in engine.requests.running
                                 if killed in [w.address for w in placement[s.seq_id].workers])
-                    assert 0 < len(lost) < len(engine._running)          # both held some sequences
+                    assert 0 < len(lost) < len(engine.requests.running)  # both held some sequences
                     fleet.kill(0)
                 elif n > 4 and engine.has_unfinished():
-                    running = list(engine._running)
+                    running = list(engine.requests.running)
                     want = (len(running), sum(s.num_tokens - 1 for s in running))
                     assert settles(survivor, want), (worker_kv(survivor), want)
                     checked.append(n)

@@ -138,7 +138,7 @@ def test_kv_running_out_preempts_youngest_and_output_is_unchanged(tiny_model_dir
             check_stream(o, engine)
         st = engine.stats()
         assert st["preemptions"] > 0 and engine.backend.refusals == 0     # planned: no call refused
-        assert engine.backend.stats()["sequences"] == 0 and not engine._waiting and engine.healthy
+        assert engine.backend.stats()["sequences"] == 0 and not engine.requests.waiting and engine.healthy
     finally:
         engine.stop()
 
@@ -152,10 +152,10 @@ def test_preemption_frees_the_youngest_and_queues_them_first(tiny_model_dir):
         late = engine.add_request("a later request", GREEDY)        # waits: max_running are running
         deadline = time.monotonic() + 60
         while engine.stats()["preemptions"] == 0:
-            assert time.monotonic() < deadline and engine._requests[late] in engine._waiting
+            assert time.monotonic() < deadline and engine.requests.by_id[late] in engine.requests.waiting
             engine.step()
-        running = [s.seq_id for s in engine._running]
-        waiting = list(engine._waiting)
+        running = [s.seq_id for s in engine.requests.running]
+        waiting = list(engine.requests.waiting)
         preempted, last = waiting[:-1], waiting[-1]
         assert last.request_id == late and preempted                 # the preempted go first in line
         assert all(s.output_ids for s in preempted)                  # ... with the tokens they streamed
@@ -174,12 +174,12 @@ def test_a_refusing_worker_preempts_only_its_own_sequences(tiny_model_dir, clean
     refusing worker's rows are preempted, the other worker's sequences run on untouched."""
     engine = torch_engine(tiny_model_dir, lambda spec: PagedTorch(spec, page=4, pool=12, counting=False, workers=2))
     preempted: set[int] = set()
-    real = engine._preempt
+    real = engine.kv_recovery.preempt
 
     def spy(seqs):
         preempted.update(s.seq_id for s in seqs)
         real(seqs)
-    engine._preempt = spy
+    engine.kv_recovery.preempt = spy
     try:
         outs = run(engine)
         assert [o[-1].finish_reason for o in outs] == ["length"] * len(PROMPTS)
@@ -203,8 +203,8 @@ def test_one_workers_refusal_in_a_step_spares_the_other_worker(tiny_model_dir):
         engine.step()
         engine.backend.refusing = {1}                       # worker 1 is full now; worker 0 is not
         engine.step()
-        running = sorted(s.seq_id for s in engine._running)
-        waiting = sorted(s.seq_id for s in engine._waiting)
+        running = sorted(s.seq_id for s in engine.requests.running)
+        waiting = sorted(s.seq_id for s in engine.requests.waiting)
         assert running == [2, 4] and waiting == [1, 3]       # ids 1, 3 live on worker 1
         assert engine.stats()["preemptions"] == 2
         engine.backend.refusing = set()
@@ -271,7 +271,8 @@ def test_admission_keeps_a_watermark_free(tiny_model_dir):
         engine.step()
         b = engine.add_request(list(range(3, 15)), GREEDY)          # 12 + 1 tokens: 4 pages
         engine.step()               # 5 free - 1 (a's next token, bounded) - 1 (watermark) < 4: b waits
-        assert [s.request_id for s in engine._running] == [a] and engine._requests[b] in engine._waiting
+        assert [s.request_id for s in engine.requests.running] == [a]
+        assert engine.requests.by_id[b] in engine.requests.waiting
         assert engine.stats()["preemptions"] == 0
     finally:
         engine.stop()
@@ -320,7 +321,7 @@ def test_remote_worker_refusal_preempts_only_its_sequences(tiny_model_dir, tmp_p
     with local_fleet(2, tmp_path, kv_capacity="16M") as fleet:
         engine = Engine(EngineConfig(attention="remote", rworkers=fleet.addresses, **kw))
         backend, state, preempted = engine.backend, {"decode": False, "calls": 0, "held": None}, set()
-        submit, send, preempt = backend.submit_decode, backend.workers[0].send_bytes, engine._preempt
+        submit, send, preempt = backend.submit_decode, backend.workers[0].send_bytes, engine.kv_recovery.preempt
 
         def submit_decode(*args):
             state["decode"] = True
@@ -343,7 +344,8 @@ def test_remote_worker_refusal_preempts_only_its_sequences(tiny_model_dir, tmp_p
         def spy(seqs):
             preempted.update(s.seq_id for s in seqs)
             preempt(seqs)
-        backend.submit_decode, backend.workers[0].send_bytes, engine._preempt = submit_decode, send_bytes, spy
+        backend.submit_decode, backend.workers[0].send_bytes = submit_decode, send_bytes
+        engine.kv_recovery.preempt = spy
         try:
             outs = run(engine)
             assert [o[-1].finish_reason for o in outs] == ["length"] * len(PROMPTS)

@@ -39,6 +39,7 @@ class Out:
     num_prompt_tokens: int = 3
     num_output_tokens: int = 0
     error: str | None = None
+    logprobs: list | None = None        # as the engine's RequestOutput: coalesce() merges them
 
 
 class FakeEngine:
