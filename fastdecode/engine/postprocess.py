@@ -25,12 +25,30 @@ class Postprocessor:
         self.tokens_out = 0
 
     def run(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """seqs ran; logits has a row for each."""
+        """seqs ran; logits has a row for each. Should sampling fail, each row is sampled alone
+        and only the rows that fail again end (with the error): one request never fails a step."""
+        try:
+            tokens, logprobs = self._sample(seqs, logits)
+        except Exception:
+            log.exception("sampling %d rows failed; sampling them one by one", len(seqs))
+            kept = []
+            for i, s in enumerate(seqs):
+                try:
+                    kept.append((s, *self._sample([s], logits[i:i + 1])))
+                except Exception as e:          # noqa: BLE001 -- this row's values: its request ends
+                    self.finish(s, "error", f"sampling failed: {type(e).__name__}: {e}")
+            seqs = [s for s, _, _ in kept]
+            tokens = [t[0] for _, t, _ in kept]
+            logprobs = [None if lp is None else lp[0] for _, _, lp in kept]
+        self._advance(seqs, tokens, logprobs)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor):
         params = [s.params for s in seqs]
         sampled = sample(logits, params, [s.generator for s in seqs],
                          lambda: [s.history for s in seqs], self.eos_token_ids)
-        logprobs = token_logprobs(logits, params, sampled)
-        tokens = sampled.tolist()
+        return sampled.tolist(), token_logprobs(logits, params, sampled)
+
+    def _advance(self, seqs: list[Sequence], tokens: list[int], logprobs) -> None:
         for row, (s, tok) in enumerate(zip(seqs, tokens)):
             if s.finished:
                 continue

@@ -74,9 +74,14 @@ class SamplingParams:
         check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         check(_is_num(self.temperature) and self.temperature >= 0 and self.temperature == self.temperature
               and self.temperature != float("inf"), f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        # the sampler divides in float32: a temperature that rounds to 0 or inf there would fail the whole step
+        check(self.temperature == 0 or FLOAT32_MIN_NORMAL <= self.temperature <= FLOAT32_MAX,
+              f"temperature must be 0 (greedy) or in [{FLOAT32_MIN_NORMAL:.3g}, {FLOAT32_MAX:.3g}] (float32), "
+              f"got {self.temperature!r}")
         check(_is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(_is_int(self.top_k) and (self.top_k >= 1 or self.top_k in (0, -1)),
-              f"top_k must be an integer >= 1, or 0 / -1 for off, got {self.top_k!r}")
+        check(_is_int(self.top_k) and (self.top_k >= 1 or self.top_k in (0, -1)) and self.top_k < 2**63,
+              f"top_k must be an integer >= 1 (below 2**63: the sampler holds it in int64), or 0 / -1 for off, "
+              f"got {self.top_k!r}")
         check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), f"seed must be a non-negative integer, got {self.seed!r}")
         check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
               f"stop must be a non-empty string or a list of them, got {self.stop!r}")
@@ -84,7 +89,7 @@ class SamplingParams:
               f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         check(isinstance(self.ignore_eos, bool), f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         rp = self.repetition_penalty
-        check(_is_num(rp) and math.isfinite(rp) and rp > 0,
+        check(_is_num(rp) and _is_finite(rp) and rp > 0,
               f"repetition_penalty must be a finite number > 0 (1 = off), got {rp!r}")
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
@@ -120,6 +125,7 @@ class SamplingParams:
 
 
 MAX_LOGPROBS = 20
+FLOAT32_MIN_NORMAL, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
 
 
 def _is_int(x) -> bool:
@@ -128,6 +134,14 @@ def _is_int(x) -> bool:
 
 def _is_num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_finite(x) -> bool:
+    """math.isfinite, False (not OverflowError) for an int beyond float's range."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
