@@ -16,7 +16,7 @@ VLLM_VENV := build/vllm-venv
 
 TRITON_DIR = $(VENV)/lib/python3.11/site-packages/pytriton/tritonserver
 STUB = $(TRITON_DIR)/backends/python/triton_python_backend_stub
-KERNEL_SO = $(firstword $(wildcard fastdecode/_kernels*.so))
+KERNEL_SO = $(firstword $(wildcard rpart/_kernels*.so))
 
 .PHONY: setup build model test test-slow test-asan serve stop rworkers rworkers-stop plan loadtest gpu-check \
         bench-kernel bench-engine bench-rworker bench-triton bench-sls bench-int4-grouping bench-peers vllm-venv clean \
@@ -42,11 +42,11 @@ $(STUB): $(VENV)/.installed
 
 # The C++ kernel and the gRPC stubs, rebuilt only when their sources change.
 build: $(VENV)/.built
-$(VENV)/.built: $(VENV)/.installed setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/spart/*.cpp rworker/proto/*.proto)
+$(VENV)/.built: $(VENV)/.installed setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/spart/*.cpp rpart/proto/*.proto)
 	# unlink first: a running R-worker or Triton keeps its mapped copy intact
-	rm -f fastdecode/_kernels*.so fastdecode/_spart_ops*.so
+	rm -f rpart/_kernels*.so fastdecode/_spart_ops*.so
 	$(PY) setup.py -q build_ext --inplace
-	$(PY) -c "import torch, fastdecode._kernels, fastdecode._spart_ops"
+	$(PY) -c "import torch, rpart._kernels, fastdecode._spart_ops"
 	touch $@
 
 # The default model (SmolLM2-135M-Instruct), converted once from the GGUF the
@@ -61,7 +61,7 @@ test: setup
 test-slow: setup
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
-# The C++ kernel with AddressSanitizer + UBSan (-O1 -g) in build/asan/ (fastdecode/_kernels*.so is
+# The C++ kernel with AddressSanitizer + UBSan (-O1 -g) in build/asan/ (rpart/_kernels*.so is
 # left alone), then the kernel, KV-store and R-worker fuzz tests against it, sanitizer runtimes
 # preloaded; any report fails the run. PYTEST_ARGS narrows or adds (tests/asan/asan.py).
 test-asan: setup
@@ -71,19 +71,19 @@ test-asan: setup
 # Main job: tritonserver with the default model, then a streamed completion. The R-Part runs
 # in-process (the embedded default) unless RWORKERS=N starts N local R-workers.
 serve: setup
-	$(PY) -m fastdecode.serve start --model $(MODEL_DIR) --rworkers $(or $(RWORKERS),0) --run-dir $(RUN_DIR) \
+	$(PY) -m fastdecode.ops.serve start --model $(MODEL_DIR) --rworkers $(or $(RWORKERS),0) --run-dir $(RUN_DIR) \
 		--openai-port $(OPENAI_PORT) \
 		$(if $(PLAN),--param plan=$(PLAN)) $(SERVE_ARGS)
 
 stop:
-	-$(PY) -m fastdecode.serve stop --run-dir $(RUN_DIR)
+	-$(PY) -m fastdecode.ops.serve stop --run-dir $(RUN_DIR)
 
 # R-worker fleet: local processes by default; INVENTORY=hosts.ini rolls out with Ansible.
 rworkers: setup
-	$(PY) -m rworker.fleet start --n $(or $(RWORKERS),2) --run-dir $(RUN_DIR)/rworkers $(if $(INVENTORY),--inventory $(INVENTORY))
+	$(PY) -m fastdecode.ops.rworkers start --n $(or $(RWORKERS),2) --run-dir $(RUN_DIR)/rworkers $(if $(INVENTORY),--inventory $(INVENTORY))
 
 rworkers-stop:
-	-$(PY) -m rworker.fleet stop --run-dir $(RUN_DIR)/rworkers $(if $(INVENTORY),--inventory $(INVENTORY))
+	-$(PY) -m fastdecode.ops.rworkers stop --run-dir $(RUN_DIR)/rworkers $(if $(INVENTORY),--inventory $(INVENTORY))
 
 plan: setup
 	$(PY) -m fastdecode plan --model $(MODEL_DIR) $(if $(PLAN),--out $(PLAN))
@@ -142,4 +142,4 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 clean:
-	rm -rf build fastdecode/_kernels*.so $(VENV)/.built rworker/proto/*_pb2*.py rworker/proto/*_pb2*.pyi
+	rm -rf build rpart/_kernels*.so $(VENV)/.built rpart/proto/*_pb2*.py rpart/proto/*_pb2*.pyi

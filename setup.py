@@ -1,5 +1,5 @@
-"""Builds the R-Part kernel (csrc/ -> fastdecode._kernels), the S-Part's fused CPU ops
-(csrc/spart/ -> fastdecode._spart_ops, against torch) and the R-worker gRPC stubs."""
+"""Builds the R-Part kernel (csrc/ -> rpart._kernels), the S-Part's fused CPU ops
+(csrc/spart/ -> fastdecode._spart_ops, against torch) and the R-Part gRPC stubs (rpart/proto)."""
 import glob
 import os
 import subprocess
@@ -12,7 +12,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def generate_protos() -> None:
-    protos = glob.glob(os.path.join(HERE, "rworker", "proto", "*.proto"))
+    protos = glob.glob(os.path.join(HERE, "rpart", "proto", "*.proto"))
     if not protos:
         return
     subprocess.check_call([sys.executable, "-m", "grpc_tools.protoc", f"-I{HERE}",
@@ -21,7 +21,7 @@ def generate_protos() -> None:
 
 
 kernels = Pybind11Extension(
-    "fastdecode._kernels",
+    "rpart._kernels",
     sorted(glob.glob("csrc/*.cpp")),
     include_dirs=["csrc"],
     depends=sorted(glob.glob("csrc/*.h")),  # rebuild when a header changes, not only a .cpp

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fastdecode import _kernels
-from fastdecode.kernels import KVStore
+from rpart import _kernels
+from rpart.kernels import KVStore
 
 OUT = Path(__file__).resolve().parent / "results"
 SHAPES = [  # name, query heads, head_dim, kv heads

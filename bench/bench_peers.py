@@ -102,7 +102,7 @@ def workload(tokenizer, batch: int, seq_len: int) -> list[tuple[str, int]]:
 def run_triton(server, work: list[tuple[str, int]], seq_len: int) -> dict:
     import tritonclient.grpc.aio as aioclient
 
-    from fastdecode.client import build_inputs
+    from fastdecode.ops.client import build_inputs
 
     async def one(c, i: int, text: str, new: int, line: Timeline) -> None:
         done = asyncio.Event()
@@ -248,7 +248,7 @@ def cpu_flags() -> list[str]:
 
 
 def stream_gbps() -> float:
-    from fastdecode import _kernels
+    from rpart import _kernels
 
     buf = _kernels.StreamBuffer(1 << 30, hugepages=True)
     return round(statistics.median(buf.read(os.cpu_count() or 1) for _ in range(5)), 1)
@@ -268,7 +268,7 @@ class TritonPeer:
     name = "triton"
 
     def __init__(self, params: dict, tmp: Path) -> None:
-        from fastdecode.serve import TritonServer, write_model_repository
+        from fastdecode.ops.triton import TritonServer, write_model_repository
 
         repo = write_model_repository(tmp / "model_repository", params)
         self.server = TritonServer(repo, tmp / "triton", exit_timeout_s=10).__enter__()
@@ -285,14 +285,14 @@ class OpenAIPeer:
     name = "openai"
 
     def __init__(self, triton: TritonPeer | None, model_dir: str, tmp: Path, batches: set[int]) -> None:
-        from fastdecode.serve import free_port
-        from openai_frontend import process
+        from fastdecode.ops.procs import free_port
+        from fastdecode.ops import openai_process
 
         if triton is None:
             raise RuntimeError("the openai peer runs in front of the triton peer: list triton before it")
         tmp.mkdir(parents=True, exist_ok=True)
         self.tmp, self.batches, self.model = tmp, batches, Path(model_dir).name
-        self.url = process.start(tmp, triton.server.grpc_url, model_dir, "127.0.0.1", free_port())
+        self.url = openai_process.start(tmp, triton.server.grpc_url, model_dir, "127.0.0.1", free_port())
         self.info = {"config": "the triton peer behind openai_frontend, streamed /v1/completions over httpx"}
 
     def runs(self, seq_len: int, batch: int, shortest: int) -> bool:
@@ -302,9 +302,9 @@ class OpenAIPeer:
         return run_openai(self.url, self.model, work, seq_len)
 
     def close(self):
-        from openai_frontend import process
+        from fastdecode.ops import openai_process
 
-        process.stop(self.tmp)
+        openai_process.stop(self.tmp)
 
 
 class EnginePeer:

@@ -53,7 +53,7 @@ from fastdecode.attention.base import KVSpec  # noqa: E402
 from fastdecode.config import DEFAULT_MODEL_DIR, EngineConfig  # noqa: E402
 from fastdecode.engine.model_runner import ModelRunner, StepTimes  # noqa: E402
 from fastdecode.model.loader import load_model  # noqa: E402
-from rworker.testing import local_fleet  # noqa: E402
+from fastdecode.ops.testing import local_fleet  # noqa: E402
 
 RESULT = ROOT / "bench" / "results" / "rworker.json"
 

@@ -119,7 +119,7 @@ def start_backend(stack: ExitStack, kind: str, workers: int, kv_bytes: int) -> t
     """EngineConfig fields for the R-Part, and a description."""
     if kind == "remote":
         try:
-            from rworker.testing import local_fleet
+            from fastdecode.ops.testing import local_fleet
             fleet = stack.enter_context(local_fleet(workers, tempfile.mkdtemp(prefix="bench_sls_"),
                                                     kv_capacity=kv_bytes // workers + (64 << 20), threads=1))
             return ({"attention": "remote", "rworkers": fleet.addresses, "rworker_timeout_s": 120.0},

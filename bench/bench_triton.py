@@ -102,7 +102,7 @@ def run_triton(server, texts: list[str], max_tokens: int) -> dict:
 
     import tritonclient.grpc.aio as aioclient
 
-    from fastdecode import client
+    from fastdecode.ops import client
 
     async def one(c, text: str, request_id: str, t0: float, state: dict) -> None:
         done = asyncio.Event()
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "triton.json"))
     args = p.parse_args(argv)
 
-    from fastdecode.serve import TritonServer, write_model_repository
+    from fastdecode.ops.triton import TritonServer, write_model_repository
     from fastdecode.config import resolve_path
 
     params = {"model": resolve_path(args.model), "max_running": str(max(args.streams, 1))}
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_triton_") as tmp:
         fleet = None
         if args.rworkers:
-            from rworker.fleet import LocalFleet
+            from fastdecode.ops.fleet import LocalFleet
 
             fleet = LocalFleet(args.rworkers, Path(tmp) / "rworkers", kv_capacity="2G").start()
             params["rworkers"] = ",".join(fleet.addresses)

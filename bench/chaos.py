@@ -4,8 +4,8 @@
                           [--scenarios kill,stall,malformed,restart,netns] [--dtype float32]
                           [--deadline-s 180] [--out bench/results/chaos.json]
 
-The deployment is `make serve RWORKERS=2`'s, built the way fastdecode.serve's `start` builds it:
-two local R-workers (rworker.fleet.LocalFleet) and tritonserver with the `fastdecode` model
+The deployment is `make serve RWORKERS=2`'s, built the way fastdecode.ops.serve's `start` builds it:
+two local R-workers (fastdecode.ops.fleet.LocalFleet) and tritonserver with the `fastdecode` model
 (attention=remote), in a temporary run directory. `--clients` threads each keep one request in
 flight: one tritonclient gRPC stream per request, greedy, `--max-tokens` tokens (ignore_eos);
 client i always sends prompt i. First a fault-free run of every prompt gives the expected texts;
@@ -39,12 +39,11 @@ import os
 import queue
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,6 +51,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_peers import commit, cpu_model, prompt_text  # noqa: E402
+from fastdecode.ops import procs  # noqa: E402
 
 MODEL = "fastdecode"
 SCENARIOS = ("kill", "stall", "malformed", "restart", "netns")
@@ -101,7 +101,7 @@ class Outcome:
 
 def stream_request(triton, prompt: str, max_tokens: int, deadline_s: float, on_first_text=lambda: None):
     """One request on a stream of its own: (kind, text, error) with kind completed, error or lost."""
-    from fastdecode import client
+    from fastdecode.ops import client
 
     responses: queue.SimpleQueue = queue.SimpleQueue()
     parts: list[str] = []
@@ -256,34 +256,6 @@ def tally(outcomes: list[Outcome], prompts: list[str], expected: dict[int, str])
 
 # ---- the deployment
 
-def stable_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` consecutive free ports below the kernel's ephemeral range. A server restarted "on the
-    same address" needs its port back; a port from the ephemeral range (what binding port 0 gives)
-    can meanwhile become the local port of any outgoing connection on the machine, and the restart
-    then fails with "address already in use"."""
-    import socket
-
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    first = 10000 if low > 10000 + 2 * count else 1024
-    rng = random.Random()
-
-    def free(port: int) -> bool:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                return False
-        return True
-    for _ in range(200):
-        base = rng.randrange(first, low - count)
-        if all(free(base + i) for i in range(count)):
-            return [base + i for i in range(count)]
-    raise RuntimeError(f"no {count} consecutive free ports in [{first}, {low})")
-
-
 def model_kv_shape(model_dir: str) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of the model: the KV shape the engine configures each R-worker with."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -293,7 +265,7 @@ def model_kv_shape(model_dir: str) -> tuple[int, int, int]:
 
 
 class Deployment:
-    """Two R-workers and tritonserver, as fastdecode.serve's `start` with --rworkers 2; `netns`:
+    """Two R-workers and tritonserver, as fastdecode.ops.serve's `start` with --rworkers 2; `netns`:
     the R-workers each in a network namespace of its own (hosts from netns_hosts)."""
 
     def __init__(self, settings: Settings, run_dir: Path, netns: list | None = None) -> None:
@@ -303,12 +275,12 @@ class Deployment:
         self.repo: Path | None = None
 
     def start(self) -> "Deployment":
-        from fastdecode.serve import TritonServer, write_model_repository
-        from rworker.fleet import LocalFleet
+        from fastdecode.ops.triton import TritonServer, write_model_repository
+        from fastdecode.ops.fleet import LocalFleet
 
         s = self.settings
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        ports = stable_ports(5)               # 2 R-workers (unless in namespaces), 3 for tritonserver
+        ports = procs.stable_ports(5)               # 2 R-workers (unless in namespaces), 3 for tritonserver
         where = {"base_port": ports[0]}
         args = list(s.rworker_args)
         if self.netns:
@@ -336,20 +308,20 @@ class Deployment:
 
     def kill_server(self) -> None:
         """SIGKILL tritonserver and its stub (its process group), then remove the stub's shared memory."""
-        from fastdecode.serve import _cmdline, _group_members
+        from fastdecode.ops.procs import cmdline, group_members
 
         pid = self.server.proc.pid
-        shm = [a for m in _group_members(pid) for a in _cmdline(m) if a.startswith("triton_python_backend_shm_region")]
+        shm = [a for m in group_members(pid) for a in cmdline(m) if a.startswith("triton_python_backend_shm_region")]
         os.killpg(pid, signal.SIGKILL)
         self.server.proc.wait(timeout=30)
-        wait_for(lambda: not _group_members(pid), timeout=30)
+        wait_for(lambda: not group_members(pid), timeout=30)
         for name in shm:
             Path("/dev/shm", name).unlink(missing_ok=True)
         self.server.proc = None
 
     def start_server_again(self) -> None:
         """A fresh tritonserver on the same ports and model repository."""
-        from fastdecode.serve import TritonServer
+        from fastdecode.ops.triton import TritonServer
 
         old = self.server
         self.server = TritonServer(self.repo, self.run_dir, http_port=old.http_port, grpc_port=old.grpc_port,
@@ -384,8 +356,8 @@ def worker_sequences(address: str) -> int:
     """Sequences an R-worker holds (all connections), from its Stats; -1 when it does not answer."""
     import grpc
 
-    from rworker.proto import rworker_pb2 as pb
-    from rworker.proto import rworker_pb2_grpc as pb_grpc
+    from rpart.proto import rworker_pb2 as pb
+    from rpart.proto import rworker_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(address) as ch:
         try:
@@ -395,7 +367,7 @@ def worker_sequences(address: str) -> int:
 
 
 def serving(address: str) -> bool:
-    from rworker.fleet import health
+    from fastdecode.ops.fleet import health
 
     return health(address, timeout=2.0) == "SERVING"
 
@@ -408,8 +380,8 @@ def malformed_calls(shape: tuple[int, int, int], rng: random.Random) -> list[tup
     sequence 1, so that the calls after those reach the shape and id checks."""
     import numpy as np
 
-    from rworker.proto import rworker_pb2 as pb
-    from rworker.wire import to_tensor
+    from rpart.proto import rworker_pb2 as pb
+    from rpart.wire import to_tensor
 
     layers, kvh, dim = shape
 
@@ -469,7 +441,7 @@ def hostile_session(address: str, shape: tuple[int, int, int], rng: random.Rando
     reply or ends its stream with a status."""
     import grpc
 
-    from rworker.proto import rworker_pb2 as pb
+    from rpart.proto import rworker_pb2 as pb
     from rworker.server import SERVICE_NAME
 
     report = {"sent": 0, "refused": 0, "accepted": 0, "refused_unexpectedly": [], "accepted_unexpectedly": [],

@@ -166,7 +166,7 @@ if {skip_protoc}:
 sys.argv = ["setup.py", "-q", "build_ext", "--inplace", "--force"]
 runpy.run_path("setup.py", run_name="__main__")
 """
-NEEDED_MODULES = {"kernels": "fastdecode._kernels", "proto": "rworker.proto.rworker_pb2_grpc"}
+NEEDED_MODULES = {"kernels": "rpart._kernels", "proto": "rpart.proto.rworker_pb2_grpc"}
 
 
 def importable(module: str) -> bool:

@@ -87,7 +87,7 @@ def kv_bytes_per_token(shape: dict) -> int:
 @contextlib.contextmanager
 def rworker_fleet(ctx: Context, tokens: int, shape: dict):
     """2 (profile.rworkers) local R-worker processes holding `tokens` tokens of KV between them."""
-    from rworker.testing import local_fleet
+    from fastdecode.ops.testing import local_fleet
 
     p = ctx.profile
     capacity = int(1.5 * tokens * kv_bytes_per_token(shape)) // p.rworkers + (64 << 20)

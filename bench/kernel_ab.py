@@ -4,7 +4,7 @@ On this shared VM, separate processes minutes apart see different neighbours (th
 STREAM read swings between 45 and 80 GB/s); calls alternated in one process see the same
 moment, so the ratio of two builds holds to about 1% where process-to-process runs drift 5-10%
 (calls under a millisecond stay noisy).
-Copy the extension of each build aside (`cp fastdecode/_kernels*.so /tmp/a.so`, rebuild, ...), then
+Copy the extension of each build aside (`cp rpart/_kernels*.so /tmp/a.so`, rebuild, ...), then
 
   .venv/bin/python bench/kernel_ab.py /tmp/a.so /tmp/b.so [--fmt int4] [--batch 64] [--ctx 4096]
       [--threads 2] [--heads 32] [--kv-heads 32] [--head-dim 128] [--block-size 16] [--rounds 9]
@@ -42,7 +42,7 @@ def load_build(path: str):
     real = os.path.realpath(path)
     if real in _loaded:
         return _loaded[real]
-    for module in list(sys.modules.values()):  # imported the usual way (fastdecode._kernels)
+    for module in list(sys.modules.values()):  # imported the usual way (rpart._kernels)
         file = getattr(module, "__file__", None)
         if file and hasattr(module, "KVStore") and os.path.realpath(file) == real:
             return _loaded.setdefault(real, module)

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from fastdecode.kernels import KVStore
+from rpart.kernels import KVStore
 
 
 def run(fmt, B, T, H, Hkv, D, repeats, isa, threads):

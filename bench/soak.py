@@ -4,7 +4,7 @@
                          [--kv-capacity 1G] [--deadline 300] [--sample-interval 15] [--max-tokens 48] [--seed 0]
                          [--param KEY=VALUE ...] [--only KIND ...] [--out bench/results/soak.json]
 
-Starts the deployment of `make serve RWORKERS=2` (`python -m fastdecode.serve start --rworkers 2`)
+Starts the deployment of `make serve RWORKERS=2` (`python -m fastdecode.ops.serve start --rworkers 2`)
 in a temporary run directory on free ports (the OpenAI frontend off), then `--concurrency` client
 threads send requests back to back for `--seconds` (warm-up included), each request of a kind drawn
 at random (KINDS): normal gRPC streams, HTTP generate and generate_stream, streams the client
@@ -53,7 +53,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from fastdecode.serve import free_port  # noqa: E402
+from fastdecode.ops.procs import free_port  # noqa: E402
 
 MODEL = "fastdecode"
 MAX_RSS_GROWTH = 0.10
@@ -76,7 +76,7 @@ class Deployment:
         self.pids: dict[str, int] = {}
 
     def _serve(self, *args: str, timeout: float) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "fastdecode.serve", *args, "--run-dir", str(self.run_dir)],
+        return subprocess.run([sys.executable, "-m", "fastdecode.ops.serve", *args, "--run-dir", str(self.run_dir)],
                               cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
     def start(self) -> "Deployment":
@@ -89,7 +89,7 @@ class Deployment:
                                   "--metrics-port", ports[2], "--openai-port", "0", *params,
                                   timeout=self.start_timeout)
             if started.returncode != 0:
-                raise RuntimeError(f"fastdecode.serve start failed ({started.returncode}):\n{started.stderr[-3000:]}")
+                raise RuntimeError(f"fastdecode.ops.serve start failed ({started.returncode}):\n{started.stderr[-3000:]}")
             serve = json.loads((self.run_dir / "serve.json").read_text())
             self.grpc_url, self.http_url = serve["grpc"], serve["http"]
             fleet = json.loads((self.run_dir / "rworkers" / "fleet.json").read_text())
@@ -100,7 +100,7 @@ class Deployment:
         except BaseException as e:
             self.stop()
             if isinstance(e, subprocess.TimeoutExpired):
-                raise RuntimeError(f"fastdecode.serve start did not return in {self.start_timeout:.0f} s") from None
+                raise RuntimeError(f"fastdecode.ops.serve start did not return in {self.start_timeout:.0f} s") from None
             raise
         return self
 
@@ -117,7 +117,7 @@ class Deployment:
         try:
             return self._serve("stop", timeout=300).stderr.strip()
         except subprocess.TimeoutExpired:
-            return "fastdecode.serve stop did not return in 300 s"
+            return "fastdecode.ops.serve stop did not return in 300 s"
 
 
 def _stub_of(triton_pid: int) -> int:
@@ -186,8 +186,8 @@ def settled_sample(procs: dict[str, psutil.Process | None], timeout: float = 60.
 def rworker_stats(addresses: list[str]) -> dict[str, dict]:
     import grpc
 
-    from rworker.proto import rworker_pb2 as pb
-    from rworker.proto import rworker_pb2_grpc as pb_grpc
+    from rpart.proto import rworker_pb2 as pb
+    from rpart.proto import rworker_pb2_grpc as pb_grpc
 
     out = {}
     for a in addresses:
@@ -601,7 +601,7 @@ class SoakConfig:
     max_tokens: int = 48
     seed: int = 0
     idle_timeout_s: float = 180.0     # for the R-workers' KV to come back to 0 once the load stopped
-    params: tuple[str, ...] = ()      # --param KEY=VALUE of fastdecode.serve start
+    params: tuple[str, ...] = ()      # --param KEY=VALUE of fastdecode.ops.serve start
     kinds: tuple[str, ...] = ()       # only these kinds of traffic (default: all of KINDS)
 
 

@@ -14,7 +14,7 @@
 // of the nibbles with q in 24-bit fixed point (q_limbs), and int4 value sums integer
 // dot products of the nibbles with each chunk's weights in 24-bit fixed point
 // (pv_int4_vnni_chunk), both summed exactly in int32.
-// The plain float64 version is `reference_attention` in fastdecode/kernels.py.
+// The plain float64 version is `reference_attention` in rpart/kernels.py.
 //
 // int4: a stored value is x = scale * u + zero (u in 0..15, per group of channels
 // of one token: kg for keys, vg for values). The kernels never materialise x:

@@ -1,4 +1,4 @@
-// Python binding of the KV store (fastdecode._kernels). Validates shapes and
+// Python binding of the KV store (rpart._kernels). Validates shapes and
 // dtypes of every array, releases the GIL for all work, and maps the store's
 // errors to KeyError / ValueError / _kernels.CapacityError.
 #include <pybind11/numpy.h>

@@ -14,14 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from rpart.formats import INT4_GROUPS, KV_FORMATS, parse_size
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
 
 ATTENTION_BACKENDS = ("local", "remote", "torch")
 SCHEDULERS = ("fcfs", "sls")
-KV_FORMATS = ("fp16", "int4")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-INT4_GROUPS = (0, 16, 32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -251,16 +251,3 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """'4096', '512M', '2G' (binary units, optional trailing 'iB'/'B') -> int."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1] if t and t[-1] in _SUFFIX else ""
-    number = t[: len(t) - len(unit)].strip()
-    if not number.lstrip("-").isdigit():
-        raise ValueError(f"not a whole number or size: {text!r}")
-    return int(number) * _SUFFIX[unit]

@@ -117,7 +117,7 @@ def measure_r_part(num_kv_heads: int, num_heads: int, head_dim: int, contexts: S
     rng = np.random.default_rng(0)
     points = {}
     try:
-        from fastdecode.kernels import KVStore
+        from rpart.kernels import KVStore
     except ImportError:
         return _measure_r_torch(num_kv_heads, num_heads, head_dim, contexts, num_seqs, repeats), "torch_ref"
     per_token = 2 * num_kv_heads * head_dim * (2 if kv_format == "fp16" else 1)

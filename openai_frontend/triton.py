@@ -4,7 +4,7 @@ Each generation gets its own stream so that cancelling it (a client that went aw
 request alone: Triton then marks it cancelled, the model aborts it and the engine frees its KV.
 A stream is cancelled only while its request still runs; after the final response it is closed
 by half-closing the request side and draining, never by a cancel (a cancel racing the final
-response keeps Triton 2.51's request alive; see fastdecode.client.generate).
+response keeps Triton 2.51's request alive; see fastdecode.ops.client.generate).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 import tritonclient.grpc.aio as aioclient
 
-from fastdecode.client import build_inputs
+from fastdecode.ops.client import build_inputs
 from openai_frontend.errors import APIError, from_triton, not_ready
 
 FLAGS = {"exclude_input_in_output": True, "return_finish_reason": True, "return_num_input_tokens": True,

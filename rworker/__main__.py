@@ -12,10 +12,10 @@ import logging
 import signal
 import sys
 
-from fastdecode.config import INT4_GROUPS, parse_size
-from rworker.auth import read_token
+from rpart.formats import INT4_GROUPS, parse_size
+from rpart.auth import read_token
 from rworker.server import ServerOptions, serve
-from rworker.wire import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
+from rpart.wire import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 
 
 def parse_args(argv=None) -> argparse.Namespace:

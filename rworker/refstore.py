@@ -1,4 +1,4 @@
-"""A plain-numpy KV store with the fastdecode.kernels.KVStore contract.
+"""A plain-numpy KV store with the rpart.kernels.KVStore contract.
 
 Used by the R-worker only when the compiled kernel is missing (`--store numpy`
 or a build without csrc/). Slow; fp16 storage like the kernel.
@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-class KVCapacityError(RuntimeError):
-    """Pool exhausted. Same name as fastdecode.attention.base.KVCapacityError (the service
-    maps it by name) without importing torch into the R-worker."""
+from rpart.errors import KVCapacityError
 
 
 class NumpyKVStore:

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from rworker.auth import TokenInterceptor, server_credentials
-from rworker.proto import rworker_pb2 as pb
+from rpart.auth import TokenInterceptor, server_credentials
+from rpart.proto import rworker_pb2 as pb
 from rworker.service import RWorkerService, default_store_factory
-from rworker.wire import (HTTP2_OPTIONS, KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, keep_freed_memory,
+from rpart.wire import (HTTP2_OPTIONS, KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, keep_freed_memory,
                           server_keepalive_options)
 
 log = logging.getLogger("rworker")
@@ -24,7 +24,7 @@ SERVICE_NAME = "fastdecode.rworker.RWorker"
 
 
 def _reply_bytes(reply) -> bytes:
-    """Session replies: decode replies come already serialised (rworker.wire.encode_reply_o)."""
+    """Session replies: decode replies come already serialised (rpart.wire.encode_reply_o)."""
     return reply if isinstance(reply, bytes) else reply.SerializeToString()
 
 

@@ -11,92 +11,32 @@ Calls into the store are serialised by one lock; the store parallelises inside.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 
 import grpc
 import numpy as np
 
-from rworker.proto import rworker_pb2 as pb
-from rworker.proto import rworker_pb2_grpc as pb_grpc
-from rworker.wire import WIRE_DTYPES, bf16_to_f32, encode_reply_o, f32_to_bf16
+from rpart.proto import rworker_pb2 as pb
+from rpart.proto import rworker_pb2_grpc as pb_grpc
+from rpart.errors import KVCapacityError
+from rpart.formats import KV_FORMATS
+from rpart.wire import encode_reply_o, f32_to_bf16
+from rworker.connection import (CONNECTION_BITS, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_SPAN_TOKENS, CallError,
+                                Connection, check_room, describe_shape, tensor_to_numpy)
 
 log = logging.getLogger("rworker")
 
-ID_BITS = 40                                 # client sequence ids: 0 <= id < 2**40
-CONNECTION_BITS = 63 - ID_BITS               # connection numbers: 1 <= n < 2**23 (stored ids are int64)
-MAX_IDS_PER_CALL = 1 << 16
-MAX_TENSOR_RANK = 8                           # wire tensors are 3-D; numpy takes at most 32
-MAX_SPAN_TOKENS = (1 << 31) - 1               # tokens of one sequence in one prefill (the store counts in int)
-KV_FORMATS = ("fp16", "int4")
-MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 4096, 4096, 1024
-# Bookkeeping of one open sequence outside the KV pool: the store's per-layer block table,
-# length and tail (kernel: a vector + 2 ints per layer) and its map entry, plus our id set.
-TABLE_BYTES_PER_LAYER, TABLE_BYTES_PER_SEQUENCE = 32, 256
 OK = grpc.StatusCode.OK
 
 
-class CallError(Exception):
-    """A failed call: answered with `code` on the stream, which stays open."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def tensor_to_numpy(t: pb.Tensor, name: str) -> np.ndarray:
-    """Zero-copy view of a wire tensor; INVALID_ARGUMENT when it is malformed."""
-    dtype = WIRE_DTYPES.get(t.dtype)
-    if dtype is None:
-        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{name}: unknown dtype {t.dtype!r} (expected one of {sorted(WIRE_DTYPES)})")
-    shape = tuple(t.shape)
-    if len(shape) > MAX_TENSOR_RANK:
-        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{name}: shape {shape} has {len(shape)} dimensions (at most {MAX_TENSOR_RANK})")
-    if any(n < 0 for n in shape):
-        raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: negative dimension in shape {shape}")
-    expected = math.prod(shape) * np.dtype(dtype).itemsize   # Python ints: an int64 product wraps around
-    data = t.data                            # each access of a bytes field copies it: once only
-    if len(data) != expected:
-        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{name}: {len(data)} bytes for shape {shape} {t.dtype} (expected {expected})")
-    try:
-        a = np.frombuffer(data, dtype=dtype).reshape(shape)
-    except ValueError as e:                  # no elements, but a dimension numpy cannot index
-        raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: shape {shape} unusable: {e}") from None
-    return bf16_to_f32(a) if t.dtype == "bfloat16" else a
-
-
 def default_store_factory(**kwargs):
-    from fastdecode.kernels import KVStore
+    from rpart.kernels import KVStore
     return KVStore(**kwargs)
 
 
 def _is_capacity_error(e: Exception) -> bool:
-    return type(e).__name__ == "KVCapacityError"
-
-
-def table_bytes(num_layers: int, sequences: int) -> int:
-    """Memory outside the KV pool that `sequences` open sequences of num_layers layers take."""
-    return sequences * (TABLE_BYTES_PER_SEQUENCE + TABLE_BYTES_PER_LAYER * num_layers)
-
-
-def describe_shape(config: tuple | None) -> str:
-    if config is None:
-        return "none"
-    return "layers={} kv_heads={} head_dim={} format={}".format(*config)
-
-
-class Connection:
-    def __init__(self, peer: str, number: int = 1) -> None:
-        self.number = number
-        self.base = number << ID_BITS
-        self.peer = peer
-        self.config: tuple | None = None
-        self.seqs: set[int] = set()          # client-side ids open on this connection
-        self.closed = False                  # set under the service lock once its sequences are freed
+    return isinstance(e, KVCapacityError)
 
 
 class RWorkerService(pb_grpc.RWorkerServicer):
@@ -245,112 +185,65 @@ class RWorkerService(pb_grpc.RWorkerServicer):
         log.info("KV store: layers=%d kv_heads=%d head_dim=%d format=%s isa=%s", *config,
                  getattr(self.store, "isa", "?"))
 
-    def _ids(self, conn: Connection, seq_ids) -> np.ndarray:
-        if conn.config is None:
-            raise CallError(grpc.StatusCode.FAILED_PRECONDITION, "Configure must be the first call")
-        if conn.config != self.store_config:
-            raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"this connection's KV shape ({describe_shape(conn.config)}) is not the store's "
-                            f"({describe_shape(self.store_config)}): Configure again")
-        if len(seq_ids) > MAX_IDS_PER_CALL:
-            raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"{len(seq_ids)} sequence ids in one call (at most {MAX_IDS_PER_CALL})")
-        ids = np.asarray(seq_ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= 1 << ID_BITS):
-            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"sequence ids must be in [0, 2**{ID_BITS})")
-        return ids
-
     def _open(self, conn: Connection, m: pb.Open) -> None:
-        ids = self._ids(conn, m.seq_ids)
+        ids = conn.ids(m.seq_ids, self.store_config)
         if self.draining.is_set():
             raise CallError(grpc.StatusCode.UNAVAILABLE, "R-worker is draining: no new sequences")
         if len(set(m.seq_ids)) != len(m.seq_ids) or conn.seqs.intersection(m.seq_ids):
             raise CallError(grpc.StatusCode.ALREADY_EXISTS,
                             f"sequence id(s) already open: {sorted(conn.seqs.intersection(m.seq_ids))[:8]}")
         with self.lock:
-            self._check_open(conn)
-            self._check_room(conn, len(ids))
+            conn.check_open()
+            check_room(conn, len(ids), sum(len(c.seqs) for c in self.connections.values()), self.max_sequences,
+                       self.max_sequences_per_connection, self.max_table_bytes)
             self.store.create(ids + conn.base)
             conn.seqs.update(m.seq_ids)
 
-    def _check_room(self, conn: Connection, more: int) -> None:
-        """The limits on open sequences: all clients, this connection, and their tables' memory."""
-        total = sum(len(c.seqs) for c in self.connections.values())
-        if total + more > self.max_sequences:
-            raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"{total} sequences open, {more} more asked; this R-worker takes at most "
-                            f"{self.max_sequences} (--max-sequences)")
-        if len(conn.seqs) + more > self.max_sequences_per_connection:
-            raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"{len(conn.seqs)} sequences open on this connection, {more} more asked; at most "
-                            f"{self.max_sequences_per_connection} per connection (--max-sequences-per-connection)")
-        tables = table_bytes(conn.config[0], total + more)
-        if tables > self.max_table_bytes:
-            raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"{total + more} sequences of {conn.config[0]} layers need ~{tables} bytes of tables "
-                            f"outside the KV pool; at most {self.max_table_bytes} (--max-table-memory)")
-
-    @staticmethod
-    def _check_open(conn: Connection) -> None:
-        """Under the lock: the stream may have ended (its sequences freed) while this call waited."""
-        if conn.closed:
-            raise CallError(grpc.StatusCode.CANCELLED, "connection closed")
-
     def _close(self, conn: Connection, m: pb.Close) -> None:
-        ids = self._ids(conn, m.seq_ids)
+        ids = conn.ids(m.seq_ids, self.store_config)
         with self.lock:
-            self._check_open(conn)
+            conn.check_open()
             self.store.free(ids + conn.base)
             conn.seqs.difference_update(m.seq_ids)
 
-    def _check_layer(self, conn: Connection, layer: int) -> None:
-        if not 0 <= layer < conn.config[0]:
-            raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"layer {layer} out of range [0, {conn.config[0]})")
-
-    def _check_kv(self, conn: Connection, name: str, x: np.ndarray, rows: int) -> None:
-        want = (rows, conn.config[1], conn.config[2])
-        if x.shape != want:
-            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: shape {x.shape}, expected {want}")
-
     def _prefill(self, conn: Connection, m: pb.Prefill, reply: pb.Reply) -> None:
-        ids = self._ids(conn, m.seq_ids)
-        self._check_layer(conn, m.layer)
+        ids = conn.ids(m.seq_ids, self.store_config)
+        conn.check_layer(m.layer)
         lens = np.asarray(m.lens, dtype=np.int64)
         if len(lens) != len(ids) or (lens.size and (lens.min() < 0 or lens.max() > MAX_SPAN_TOKENS)):
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"prefill: need one length in [0, {MAX_SPAN_TOKENS}] per sequence")
         k, v = tensor_to_numpy(m.k, "k"), tensor_to_numpy(m.v, "v")
         total = sum(int(n) for n in lens)       # Python ints: a numpy sum of int64 lengths could wrap
-        self._check_kv(conn, "k", k, total)
-        self._check_kv(conn, "v", v, total)
+        conn.check_kv("k", k, total)
+        conn.check_kv("v", v, total)
         with self.lock:
-            self._check_open(conn)
+            conn.check_open()
             t0 = time.perf_counter()
             try:
                 self.store.append_span(m.layer, ids + conn.base, lens, k, v)
             except KeyError:
-                raise self._not_found(conn, m.seq_ids) from None
+                raise conn.not_found(m.seq_ids) from None
             reply.kernel_s = self._account(t0)
 
     def _decode(self, conn: Connection, m: pb.Decode, reply: pb.Reply) -> np.ndarray:
         """Append k, v and attend; returns o in q's wire dtype (sent by _call)."""
-        ids = self._ids(conn, m.seq_ids)
-        self._check_layer(conn, m.layer)
+        ids = conn.ids(m.seq_ids, self.store_config)
+        conn.check_layer(m.layer)
         q, k, v = tensor_to_numpy(m.q, "q"), tensor_to_numpy(m.k, "k"), tensor_to_numpy(m.v, "v")
         rows, hkv, dim = len(ids), conn.config[1], conn.config[2]
         if q.ndim != 3 or q.shape[0] != rows or q.shape[2] != dim or q.shape[1] % hkv:
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"q: shape {q.shape}, expected ({rows}, a multiple of {hkv}, {dim})")
-        self._check_kv(conn, "k", k, rows)
-        self._check_kv(conn, "v", v, rows)
+        conn.check_kv("k", k, rows)
+        conn.check_kv("v", v, rows)
         with self.lock:
-            self._check_open(conn)
+            conn.check_open()
             t0 = time.perf_counter()
             try:
                 o = self.store.decode(m.layer, ids + conn.base, q, k, v)
             except KeyError:
-                raise self._not_found(conn, m.seq_ids) from None
+                raise conn.not_found(m.seq_ids) from None
             reply.kernel_s = self._account(t0)
         # o goes back in q's wire dtype: the S-Part would round it to that dtype anyway.
         if m.q.dtype == "float16":
@@ -358,11 +251,6 @@ class RWorkerService(pb_grpc.RWorkerServicer):
         if m.q.dtype == "bfloat16":
             return f32_to_bf16(o)
         return o
-
-    @staticmethod
-    def _not_found(conn: Connection, seq_ids) -> CallError:
-        missing = [s for s in seq_ids if s not in conn.seqs]
-        return CallError(grpc.StatusCode.NOT_FOUND, f"unknown sequence id(s) {missing[:8]}")
 
     def _account(self, t0: float) -> float:
         dt = time.perf_counter() - t0

@@ -1,6 +1,6 @@
 """Shared fixtures. Tiny models are built once per session (random init, no download).
 
-The C++ extensions are required: when fastdecode._kernels or fastdecode._spart_ops does not
+The C++ extensions are required: when rpart._kernels or fastdecode._spart_ops does not
 import, the session fails at its start (no test is skipped or switched to another backend)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from fastdecode.testing import make_tiny_llama
 
-REQUIRED_EXTENSIONS = ("fastdecode._kernels", "fastdecode._spart_ops")
+REQUIRED_EXTENSIONS = ("rpart._kernels", "fastdecode._spart_ops")
 
 
 def pytest_configure(config):

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from fastdecode.config import REPO_ROOT
-from fastdecode.serve import tritonserver_binary
-from rworker.testing import store_kind
+from fastdecode.ops.triton import tritonserver_binary
+from fastdecode.ops.testing import store_kind
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 import chaos  # noqa: E402

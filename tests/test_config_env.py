@@ -100,7 +100,7 @@ def test_cli_garbage_settings_exit_with_the_reason(clean_env, argv, words):
 
 
 def test_serve_refuses_bad_settings_before_starting_anything(tmp_path, capsys):
-    from fastdecode import serve
+    from fastdecode.ops import serve
 
     code = serve.main(["start", "--run-dir", str(tmp_path), "--openai-port", "0", "--param", "scheduler=lifo"])
     assert code == 2 and "scheduler must be one of" in capsys.readouterr().err

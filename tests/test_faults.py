@@ -14,7 +14,7 @@ import pytest
 
 from fastdecode.config import EngineConfig
 from fastdecode.engine import Engine, SamplingParams
-from rworker.testing import local_fleet
+from fastdecode.ops.testing import local_fleet
 
 PROMPTS = ["The quick brown fox", "Hello", "FastDecode splits the model", "def f(x):", "numbers 0123",
            "¿Qué tal?"]
@@ -70,8 +70,8 @@ def worker_kv(address: str) -> tuple[int, int]:
     """(sequences, kv_tokens) that one R-worker holds, from its Stats."""
     import grpc
 
-    from rworker.proto import rworker_pb2 as pb
-    from rworker.proto import rworker_pb2_grpc as pb_grpc
+    from rpart.proto import rworker_pb2 as pb
+    from rpart.proto import rworker_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(address) as ch:
         st = pb_grpc.RWorkerStub(ch).Stats(pb.StatsRequest(), timeout=5)

@@ -1,4 +1,4 @@
-"""The local R-worker fleet (rworker.fleet): API and CLI, with real `python -m rworker` processes."""
+"""The local R-worker fleet (fastdecode.ops.fleet): API and CLI, with real `python -m rworker` processes."""
 from __future__ import annotations
 
 import json
@@ -12,14 +12,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rworker.fleet import FleetError, LocalFleet, free_port, health
+from fastdecode.ops.fleet import FleetError, LocalFleet, health
+from fastdecode.ops.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = dict(kv_capacity="16M", threads=1)
 
 
 def fleet_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rworker.fleet", *args], cwd=REPO, text=True,
+    return subprocess.run([sys.executable, "-m", "fastdecode.ops.rworkers", *args], cwd=REPO, text=True,
                           capture_output=True, timeout=timeout)
 
 

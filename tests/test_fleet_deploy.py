@@ -15,7 +15,8 @@ import yaml
 
 from fastdecode.config import parse_size
 from rworker.__main__ import parse_args as rworker_parse_args
-from rworker.fleet import PLAYBOOK, FleetError, inventory_addresses
+from fastdecode.ops.fleet import FleetError
+from fastdecode.ops.rollout import PLAYBOOK, inventory_addresses
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -62,7 +63,7 @@ def test_rollout_dry_run_on_this_machine(tmp_path):
     wheels.mkdir()
     (wheels / "fastdecode-0.1.0-cp311-cp311-linux_x86_64.whl").write_bytes(b"not installed in --check")
     run = tmp_path / "run"
-    base = [sys.executable, "-m", "rworker.fleet"]
+    base = [sys.executable, "-m", "fastdecode.ops.rworkers"]
     r = subprocess.run([*base, "start", "--inventory", str(inv), "--run-dir", str(run), "--wheelhouse", str(wheels),
                         "--check", "--kv-capacity", "2G", "--threads", "3", "--", "--log-level", "debug"],
                        cwd=REPO, capture_output=True, text=True, env=ansible_env(), timeout=120)
@@ -113,7 +114,7 @@ def test_playbook_refuses_more_bad_settings(tmp_path, extra):
 @needs_ansible
 @pytest.mark.slow
 def test_stop_dry_run(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "rworker.fleet", "stop", "--inventory", str(_local_inventory(tmp_path)),
+    r = subprocess.run([sys.executable, "-m", "fastdecode.ops.rworkers", "stop", "--inventory", str(_local_inventory(tmp_path)),
                         "--run-dir", str(tmp_path / "run"), "--check"],
                        cwd=REPO, capture_output=True, text=True, env=ansible_env(), timeout=120)
     assert r.returncode == 0 and re.search(r"localnode\s+: ok=\d+.*failed=0", r.stderr), r.stderr[-3000:]
@@ -174,7 +175,9 @@ def test_dockerfile_copies_files_that_exist():
 def test_wheelhouse_installs_offline_and_serves(tmp_path):
     """What the rworker role does on a host, done here: a venv filled from the wheelhouse
     alone (no index, no pip config), then the installed R-worker serves outside the repo."""
-    from rworker.fleet import build_wheelhouse, free_port, health
+    from fastdecode.ops.fleet import health
+    from fastdecode.ops.procs import free_port
+    from fastdecode.ops.rollout import build_wheelhouse
 
     wheels = build_wheelhouse(tmp_path / "wheels")
     venv = tmp_path / "host" / "venv"

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastdecode.attention.base import KVCapacityError
-from fastdecode.kernels import KVStore, cpu_supports, reference_attention
+from rpart.kernels import KVStore, cpu_supports, reference_attention
 
 FUZZ = settings(max_examples=200, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

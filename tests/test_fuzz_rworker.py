@@ -27,12 +27,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastdecode.kernels import reference_attention
-from rworker.proto import rworker_pb2 as pb
-from rworker.proto import rworker_pb2_grpc as pb_grpc
-from rworker.service import MAX_IDS_PER_CALL, CallError, RWorkerService, tensor_to_numpy
-from rworker.testing import local_fleet
-from rworker.wire import bf16_to_f32, f32_to_bf16
+from rpart.kernels import reference_attention
+from rpart.proto import rworker_pb2 as pb
+from rpart.proto import rworker_pb2_grpc as pb_grpc
+from rworker.connection import MAX_IDS_PER_CALL, CallError, tensor_to_numpy
+from rworker.service import RWorkerService
+from fastdecode.ops.testing import local_fleet
+from rpart.wire import bf16_to_f32, f32_to_bf16
 
 C = grpc.StatusCode
 LAYERS, HKV, D = 2, 2, 16

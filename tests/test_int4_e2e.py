@@ -19,7 +19,7 @@ from test_faults import settles, worker_kv
 
 from fastdecode.config import EngineConfig
 from fastdecode.engine import Engine, SamplingParams
-from rworker.testing import local_fleet
+from fastdecode.ops.testing import local_fleet
 
 MARGIN = 4
 NEW_TOKENS = 16

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fastdecode.attention.base import KVCapacityError
-from fastdecode.kernels import KVStore, cpu_supports
+from rpart.kernels import KVStore, cpu_supports
 
 
 def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -787,17 +787,17 @@ def test_int4_head_dim_padded_to_32(isa, d):
 # ---- no silent fallback: without the kernel, tests fail
 
 def without_kernel(code: str) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter in which fastdecode._kernels does not import."""
+    """Run `code` in a fresh interpreter in which rpart._kernels does not import."""
     from fastdecode.config import REPO_ROOT
 
-    return subprocess.run([sys.executable, "-c", "import sys\nsys.modules['fastdecode._kernels'] = None\n" + code],
+    return subprocess.run([sys.executable, "-c", "import sys\nsys.modules['rpart._kernels'] = None\n" + code],
                           capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
 
 
 def test_test_rworkers_without_the_kernel_are_an_error():
-    broken = without_kernel("from rworker.testing import store_kind\nstore_kind()")
+    broken = without_kernel("from fastdecode.ops.testing import store_kind\nstore_kind()")
     assert broken.returncode != 0 and "ImportError" in broken.stderr and "make build" in broken.stderr, broken.stderr
-    asked = without_kernel("from rworker.testing import store_kind\nprint(store_kind('numpy'))")
+    asked = without_kernel("from fastdecode.ops.testing import store_kind\nprint(store_kind('numpy'))")
     assert asked.returncode == 0 and asked.stdout.strip() == "numpy", asked.stderr
 
 
@@ -805,4 +805,4 @@ def test_the_suite_fails_without_the_kernel():
     run = without_kernel("import pytest\n"
                          "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_local_attention.py']))")
     assert run.returncode == 1, (run.stdout, run.stderr)
-    assert "fastdecode._kernels" in run.stdout + run.stderr and "skipped" not in run.stdout, run.stdout
+    assert "rpart._kernels" in run.stdout + run.stderr and "skipped" not in run.stdout, run.stdout

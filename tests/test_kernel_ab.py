@@ -20,7 +20,7 @@ def ab():
 
 
 def test_compares_two_builds(ab, tmp_path):
-    build = glob.glob(os.path.join(ROOT, "fastdecode", "_kernels*.so"))[0]
+    build = glob.glob(os.path.join(ROOT, "rpart", "_kernels*.so"))[0]
     copy = str(tmp_path / "copy.so")
     shutil.copy(build, copy)
     args = ab.parse([build, copy, "--batch", "2", "--ctx", "40", "--threads", "1", "--rounds", "3",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastdecode.kernels import KVStore, cpu_supports
+from rpart.kernels import KVStore, cpu_supports
 from tests.test_kernel import BS, ISAS, check_against_reference, fill
 
 GROUPS = [(16, 16), (16, 32), (32, 16), (32, 32), (32, 64), (64, 32), (64, 64), (128, 128), (64, 128)]

@@ -19,8 +19,8 @@ import torch
 from fastdecode.attention.base import KVSpec
 from fastdecode.attention.torch_ref import TorchAttention
 from fastdecode.config import EngineConfig
-from rworker.fleet import LocalFleet, health
-from rworker.testing import store_kind
+from fastdecode.ops.fleet import LocalFleet, health
+from fastdecode.ops.testing import store_kind
 
 pytestmark = pytest.mark.netns
 SUBNETS = ipaddress.ip_network("10.231.0.0/16")

@@ -9,7 +9,8 @@ import json
 import httpx
 import pytest
 
-from fastdecode.serve import free_port, tritonserver_binary
+from fastdecode.ops.procs import free_port
+from fastdecode.ops.triton import tritonserver_binary
 from openai_frontend.testing import Frontend, engine_load, post, wait_for, with_chat_template
 from test_triton import fleet, server  # noqa: F401  (test_triton's deployment fixtures)
 

@@ -7,7 +7,7 @@ import asyncio
 import openai
 import pytest
 
-from fastdecode.serve import tritonserver_binary
+from fastdecode.ops.triton import tritonserver_binary
 from openai_frontend.testing import engine_load, post, wait_for
 from test_openai_frontend import NAME, api, chat_model_dir  # noqa: F401  (the frontend before the same deployment)
 from test_triton import fleet, server  # noqa: F401  (test_triton's deployment fixtures)

@@ -214,7 +214,7 @@ def test_one_workers_refusal_in_a_step_spares_the_other_worker(tiny_model_dir):
 
 
 def test_local_backend_preempts_and_output_is_unchanged(tiny_model_dir):
-    from fastdecode.kernels import KVStore
+    from rpart.kernels import KVStore
 
     kw = dict(attention="local", kernel_threads=1, kv_block_size=4, dtype="float32")
     ref = Engine(EngineConfig(model=tiny_model_dir, kv_capacity_bytes=16 << 20, **kw))
@@ -309,8 +309,8 @@ def test_remote_worker_refusal_preempts_only_its_sequences(tiny_model_dir, tmp_p
     holds are preempted and recomputed, the other worker's run on, and output is unchanged."""
     import grpc
 
-    from rworker.proto import rworker_pb2 as pb
-    from rworker.testing import local_fleet
+    from rpart.proto import rworker_pb2 as pb
+    from fastdecode.ops.testing import local_fleet
 
     kw = dict(model=tiny_model_dir, dtype="float32", max_running=8)
     ref = Engine(EngineConfig(attention="local", kernel_threads=1, kv_capacity_bytes=16 << 20, **kw))

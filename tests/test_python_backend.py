@@ -645,7 +645,7 @@ def test_metrics_flow_through_the_host():
 
 
 def test_engine_config_from_dict_still_accepts_what_serve_writes():
-    # fastdecode.serve writes these keys into config.pbtxt; EngineConfig must accept them.
+    # fastdecode.ops.serve writes these keys into config.pbtxt; EngineConfig must accept them.
     cfg = EngineConfig.from_dict({"model": "m", "attention": "remote", "rworkers": "a:1,b:2"})
     assert cfg.rworkers == ("a:1", "b:2")
 

@@ -10,7 +10,7 @@ from fastdecode.attention.base import AttentionError, KVCapacityError, KVSpec, S
 from fastdecode.attention.remote.backend import RemoteAttention
 from fastdecode.attention.torch_ref import TorchAttention
 from fastdecode.config import EngineConfig
-from rworker.testing import local_fleet, self_signed_cert
+from fastdecode.ops.testing import local_fleet, self_signed_cert
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +178,8 @@ def test_large_prefill_is_split_into_messages(fleet, monkeypatch):
 def test_connection_end_frees_server_side(fleet):
     import grpc
 
-    from rworker.proto import rworker_pb2 as pb
-    from rworker.proto import rworker_pb2_grpc as pb_grpc
+    from rpart.proto import rworker_pb2 as pb
+    from rpart.proto import rworker_pb2_grpc as pb_grpc
 
     def server_sequences():
         total = 0
@@ -213,7 +213,7 @@ def test_config_errors(fleet):
 def test_unreachable_worker_is_skipped_then_used_when_it_returns(tmp_path):
     """One address is dead at start: the backend runs on the other; when the worker comes
     up on that address, it is reconnected and new sequences go there (least load)."""
-    from rworker.fleet import free_port
+    from fastdecode.ops.procs import free_port
 
     spec = KVSpec(2, 4, 2, 16)
     port = free_port("127.0.0.1")
@@ -271,8 +271,8 @@ def test_token_and_tls(tmp_path):
 def test_draining_worker_keeps_its_sequences_but_gets_no_new_ones(tmp_path):
     import grpc
 
-    from rworker.proto import rworker_pb2 as pb
-    from rworker.proto import rworker_pb2_grpc as pb_grpc
+    from rpart.proto import rworker_pb2 as pb
+    from rpart.proto import rworker_pb2_grpc as pb_grpc
 
     spec = KVSpec(2, 4, 2, 16)
     with local_fleet(2, tmp_path) as f:
@@ -298,8 +298,8 @@ def test_draining_worker_keeps_its_sequences_but_gets_no_new_ones(tmp_path):
 def worker_stats(address: str):
     import grpc
 
-    from rworker.proto import rworker_pb2 as pb
-    from rworker.proto import rworker_pb2_grpc as pb_grpc
+    from rpart.proto import rworker_pb2 as pb
+    from rpart.proto import rworker_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(address) as ch:
         return pb_grpc.RWorkerStub(ch).Stats(pb.StatsRequest(), timeout=5)
@@ -446,6 +446,6 @@ def test_worker_is_up_only_once_configured(fleet, monkeypatch):
 
 
 def pb_open(ids):
-    from rworker.proto import rworker_pb2 as pb
+    from rpart.proto import rworker_pb2 as pb
 
     return pb.Request(open=pb.Open(seq_ids=ids))

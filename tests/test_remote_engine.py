@@ -10,7 +10,7 @@ import pytest
 
 from fastdecode.config import EngineConfig
 from fastdecode.engine import Engine, SamplingParams
-from rworker.testing import local_fleet
+from fastdecode.ops.testing import local_fleet
 
 PROMPTS = ["The quick brown fox", "Hello", "FastDecode splits the model into an S-Part",
            "def f(x):\n    return", "numbers 0123", "¿Qué tal?", "a", "jumps over the lazy dog. " * 3]
@@ -61,8 +61,8 @@ def test_admission_waits_for_room_on_the_rworkers(tmp_path, tiny_model_dir, expe
     import grpc
 
     from fastdecode.attention.remote.backend import RemoteAttention
-    from rworker.proto import rworker_pb2 as pb
-    from rworker.proto import rworker_pb2_grpc as pb_grpc
+    from rpart.proto import rworker_pb2 as pb
+    from rpart.proto import rworker_pb2_grpc as pb_grpc
 
     def on_workers(addresses):
         out = []

@@ -12,7 +12,7 @@ import test_engine_exact
 from test_engine_exact import EngineExactSuite, default_model_dir
 from test_rworker_server import stats
 
-from rworker.testing import local_fleet
+from fastdecode.ops.testing import local_fleet
 
 # The default-suite run of the default model: 3 of the suite's prompts (prose, code, three
 # scripts), 8 new tokens each.

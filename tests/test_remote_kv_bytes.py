@@ -8,15 +8,15 @@ import torch
 from fastdecode.attention.base import KVSpec
 from fastdecode.attention.remote.backend import RemoteAttention, kv_bytes_per_token_head
 from fastdecode.config import EngineConfig
-from rworker.proto import rworker_pb2 as pb
-from rworker.proto import rworker_pb2_grpc as pb_grpc
-from rworker.testing import local_fleet
+from rpart.proto import rworker_pb2 as pb
+from rpart.proto import rworker_pb2_grpc as pb_grpc
+from fastdecode.ops.testing import local_fleet
 
 
 @pytest.mark.parametrize("head_dim", [16, 48, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("kv_format", ["fp16", "int4"])
 def test_bytes_per_token_head_match_the_store_layout(kv_format, head_dim):
-    from fastdecode.kernels import KVStore
+    from rpart.kernels import KVStore
 
     store = KVStore(1, 1, head_dim, 8 << 20, block_size=16, kv_format=kv_format, num_threads=1)
     assert kv_bytes_per_token_head(kv_format, head_dim) * 16 == store.block_bytes

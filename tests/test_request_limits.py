@@ -93,7 +93,7 @@ def test_ready_follows_the_backend(engine, monkeypatch):
 
 
 def test_not_ready_while_every_rworker_is_down(tiny_model_dir, tmp_path):
-    from rworker.testing import local_fleet
+    from fastdecode.ops.testing import local_fleet
 
     with local_fleet(1, tmp_path, kv_capacity="16M") as fleet:
         engine = Engine(EngineConfig(model=tiny_model_dir, attention="remote", rworkers=fleet.addresses,

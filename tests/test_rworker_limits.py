@@ -21,12 +21,12 @@ import grpc
 import numpy as np
 import pytest
 
-from rworker.proto import rworker_pb2 as pb
-from rworker.proto import rworker_pb2_grpc as pb_grpc
+from rpart.proto import rworker_pb2 as pb
+from rpart.proto import rworker_pb2_grpc as pb_grpc
 from rworker.refstore import NumpyKVStore
 from rworker.server import RWorkerServer, ServerOptions, check_exposure, is_loopback
-from rworker.service import CONNECTION_BITS, ID_BITS, MAX_LAYERS, Connection, table_bytes
-from rworker.testing import Spawned
+from rworker.connection import CONNECTION_BITS, ID_BITS, MAX_LAYERS, Connection, table_bytes
+from fastdecode.ops.testing import Spawned
 
 C = grpc.StatusCode
 SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=16, kv_format="fp16")
@@ -392,7 +392,7 @@ def test_cut_off_s_worker_loses_its_kv_and_session(tmp_path):
 
 _CLIENT = """
 import sys, threading, grpc, numpy as np
-from rworker.proto import rworker_pb2 as pb, rworker_pb2_grpc as pb_grpc
+from rpart.proto import rworker_pb2 as pb, rworker_pb2_grpc as pb_grpc
 def reqs():
     yield pb.Request(call_id=1, configure=pb.Configure(num_layers=2, num_kv_heads=2, head_dim=16, kv_format="fp16"))
     yield pb.Request(call_id=2, open=pb.Open(seq_ids=[1]))
@@ -424,7 +424,7 @@ def test_killed_s_worker_loses_its_kv(tmp_path):
 
 def test_s_worker_channel_keepalive_matches_the_server_policy(monkeypatch):
     from fastdecode.attention.remote import connection as remote
-    from rworker.wire import MIN_CLIENT_PING_INTERVAL_MS, client_keepalive_options
+    from rpart.wire import MIN_CLIENT_PING_INTERVAL_MS, client_keepalive_options
 
     seen = {}
     monkeypatch.setattr(remote.grpc, "insecure_channel", lambda address, options: seen.update(options))
@@ -495,7 +495,7 @@ def test_k8s_manifest_serves_mutual_tls_and_probes_a_plaintext_health_port():
 def test_health_port_serves_probes_in_plaintext_while_the_service_port_needs_mutual_tls(tmp_path):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from rworker.testing import self_signed_cert
+    from fastdecode.ops.testing import self_signed_cert
 
     ca = self_signed_cert(tmp_path, "ca")
     cert, key = self_signed_cert(tmp_path, "server", ca=ca)

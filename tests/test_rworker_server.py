@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rworker.auth import bearer
-from rworker.proto import rworker_pb2 as pb
-from rworker.proto import rworker_pb2_grpc as pb_grpc
-from rworker.testing import Spawned, local_fleet
+from rpart.auth import bearer
+from rpart.proto import rworker_pb2 as pb
+from rpart.proto import rworker_pb2_grpc as pb_grpc
+from fastdecode.ops.testing import Spawned, local_fleet
 
 C = grpc.StatusCode
 LAYERS, HKV, H, D = 2, 2, 4, 16
@@ -336,7 +336,8 @@ def test_garbage_bytes_and_random_requests(worker):
 @pytest.mark.parametrize("tail", [True, False])
 def test_int4_store_gets_the_fp16_tail_setting_and_fp16_does_not(tail):
     from rworker.__main__ import parse_args
-    from rworker.service import Connection, RWorkerService
+    from rworker.connection import Connection
+    from rworker.service import RWorkerService
 
     made = []
 
@@ -354,7 +355,8 @@ def test_int4_store_gets_the_fp16_tail_setting_and_fp16_does_not(tail):
 
 def test_int4_groups_reach_the_int4_store_and_bad_ones_are_refused():
     from rworker.__main__ import parse_args
-    from rworker.service import Connection, RWorkerService
+    from rworker.connection import Connection
+    from rworker.service import RWorkerService
 
     args = parse_args(["--int4-k-group", "32", "--int4-v-group", "128"])
     assert (args.int4_k_group, args.int4_v_group) == (32, 128)

@@ -14,10 +14,10 @@ from test_rworker_limits import in_process
 from fastdecode.attention import AttentionError, KVSpec, create_backend
 from fastdecode.config import EngineConfig
 from fastdecode.engine import Engine
-from rworker.auth import bearer, channel_credentials
-from rworker.proto import rworker_pb2 as pb
-from rworker.proto import rworker_pb2_grpc as pb_grpc
-from rworker.testing import local_fleet, self_signed_cert
+from rpart.auth import bearer, channel_credentials
+from rpart.proto import rworker_pb2 as pb
+from rpart.proto import rworker_pb2_grpc as pb_grpc
+from fastdecode.ops.testing import local_fleet, self_signed_cert
 
 C = grpc.StatusCode
 SHAPE = pb.Configure(num_layers=2, num_kv_heads=2, head_dim=16, kv_format="fp16")

@@ -1,12 +1,12 @@
-"""rworker.wire fast paths: hand-built messages parse exactly like protobuf's, garbage is refused."""
+"""rpart.wire fast paths: hand-built messages parse exactly like protobuf's, garbage is refused."""
 import platform
 
 import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 
-from rworker.proto import rworker_pb2 as pb
-from rworker.wire import decode_reply, encode_decode_request, encode_reply_o, keep_freed_memory, to_tensor
+from rpart.proto import rworker_pb2 as pb
+from rpart.wire import decode_reply, encode_decode_request, encode_reply_o, keep_freed_memory, to_tensor
 
 
 @pytest.mark.parametrize("b", [0, 1, 5, 300])

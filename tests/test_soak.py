@@ -1,6 +1,6 @@
 """bench/soak.py (`make soak`) for about 40 s on a tiny model, and its verdict on made-up figures.
 
-The short run is the same deployment (`fastdecode.serve start --rworkers 2`), the same mix of
+The short run is the same deployment (`fastdecode.ops.serve start --rworkers 2`), the same mix of
 traffic and the same measurements as the 10-minute soak; RSS growth over 40 s is noise and is not
 asserted here.
 """
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from fastdecode.config import REPO_ROOT
-from fastdecode.serve import tritonserver_binary
+from fastdecode.ops.triton import tritonserver_binary
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 import soak  # noqa: E402

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastdecode import client
-from fastdecode.serve import TritonServer, log_tail, tritonserver_binary, write_model_repository
+from fastdecode.ops import client
+from fastdecode.ops.triton import TritonServer, log_tail, tritonserver_binary, write_model_repository
 
 pytestmark = [pytest.mark.triton,
               pytest.mark.skipif(not tritonserver_binary().exists(),
@@ -32,7 +32,7 @@ GREEDY = {"temperature": 0.0, "max_tokens": 24}
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     """Two local R-worker processes (the kernel store)."""
-    from rworker.fleet import LocalFleet
+    from fastdecode.ops.fleet import LocalFleet
 
     with LocalFleet(2, tmp_path_factory.mktemp("rworkers"), kv_capacity="64M", threads=1) as f:
         yield f
@@ -46,7 +46,7 @@ def server(tiny_model_dir, fleet, tmp_path_factory):
         "model": tiny_model_dir, "rworkers": ",".join(fleet.addresses), "max_running": "64",
         "metrics_interval_ms": "100", "cancel_poll_ms": "20", "fault_step_error_file": str(crash_flag)})
     # exit timeout 3 s: only a bound for a failing run. A gRPC client that cancels its stream as the
-    # final response is written makes Triton 2.51 keep the model UNLOADING (fastdecode.client.generate
+    # final response is written makes Triton 2.51 keep the model UNLOADING (fastdecode.ops.client.generate
     # no longer does that); the server would then wait out the timeout and exit non-zero.
     with TritonServer(repo, run_dir, exit_timeout_s=3) as s:
         s.crash_flag = crash_flag
@@ -56,9 +56,9 @@ def server(tiny_model_dir, fleet, tmp_path_factory):
     assert s.clean_exit, f"tritonserver did not exit cleanly; log {s.log_path}:\n{log_tail(s.log_path)}"
     assert "Exit timeout expired" not in s.log_path.read_text()
     # nothing outlives the server: no stub process, no shared-memory region
-    from fastdecode.serve import _group_members
+    from fastdecode.ops.procs import group_members
 
-    assert _group_members(pid) == []
+    assert group_members(pid) == []
     assert not [p for p in Path("/dev/shm").glob("triton_python_backend_shm_region*") if _created_by(p, run_dir)]
 
 
@@ -109,7 +109,7 @@ def http_post(server, path, body, timeout=60):
 def rworker_stats(addresses):
     import grpc
 
-    from rworker.proto import rworker_pb2, rworker_pb2_grpc
+    from rpart.proto import rworker_pb2, rworker_pb2_grpc
 
     out = []
     for a in addresses:
@@ -404,9 +404,9 @@ def model_state(c) -> str:
 
 
 def stub_processes(server) -> list[int]:
-    from fastdecode.serve import _cmdline, _group_members
+    from fastdecode.ops.procs import cmdline, group_members
 
-    return [p for p in _group_members(server.proc.pid) if any("triton_python_backend_stub" in a for a in _cmdline(p))]
+    return [p for p in group_members(server.proc.pid) if any("triton_python_backend_stub" in a for a in cmdline(p))]
 
 
 def test_unload_after_every_kind_of_request_is_prompt(server, fleet):

@@ -1,4 +1,4 @@
-"""fastdecode.client.generate cancels a stream only while its request still runs (no server needed).
+"""fastdecode.ops.client.generate cancels a stream only while its request still runs (no server needed).
 
 Cancelling the gRPC stream of a request that has already ended races Triton 2.51's gRPC
 frontend: the request is then never freed and its model never unloads (see client.generate).
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastdecode import client
+from fastdecode.ops import client
 
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
 

@@ -1,4 +1,4 @@
-"""fastdecode.serve without a server (repository writing, CLI arguments), and `serve start/stop`
+"""fastdecode.ops.serve without a server (repository writing, CLI arguments), and `serve start/stop`
 end to end (slow: it starts R-workers and tritonserver like `make serve`)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fastdecode import serve
+from fastdecode.ops import procs, serve, triton
 from fastdecode.config import REPO_ROOT
 from python_backend.config import build_configs, model_parameters
 
@@ -29,7 +29,7 @@ def parse_pbtxt_parameters(text: str) -> dict[str, str]:
 
 
 def test_write_model_repository_sets_parameters_and_links_code(tmp_path):
-    repo = serve.write_model_repository(tmp_path / "repo", {"model": 'odd "dir"/мир', "rworkers": "a:1,b:2"})
+    repo = triton.write_model_repository(tmp_path / "repo", {"model": 'odd "dir"/мир', "rworkers": "a:1,b:2"})
     text = (repo / "fastdecode" / "config.pbtxt").read_text()
     params = parse_pbtxt_parameters(text)
     assert params["model"] == 'odd "dir"/мир' and params["rworkers"] == "a:1,b:2"
@@ -41,7 +41,7 @@ def test_write_model_repository_sets_parameters_and_links_code(tmp_path):
     # what the model would build from it
     engine, _ = build_configs(model_parameters({"parameters": {k: {"string_value": v} for k, v in params.items()}}))
     assert engine.rworkers == ("a:1", "b:2") and engine.attention == "remote"
-    serve.write_model_repository(tmp_path / "repo", {"model": "again"})      # rewriting is fine
+    triton.write_model_repository(tmp_path / "repo", {"model": "again"})      # rewriting is fine
     assert parse_pbtxt_parameters((repo / "fastdecode" / "config.pbtxt").read_text())["model"] == "again"
 
 
@@ -74,18 +74,18 @@ def test_stop_without_a_server_is_harmless(tmp_path, capsys):
 
 
 def test_server_env_puts_this_python_first():
-    env = serve.server_env()
+    env = triton.server_env()
     assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
     assert env["LD_LIBRARY_PATH"].split(os.pathsep)[-1].endswith("nvidia_pytriton.libs")
 
 
 @pytest.mark.slow
 @pytest.mark.triton
-@pytest.mark.skipif(not serve.tritonserver_binary().exists(), reason="tritonserver binary missing")
+@pytest.mark.skipif(not triton.tritonserver_binary().exists(), reason="tritonserver binary missing")
 def test_serve_start_and_stop_like_make_serve(tiny_model_dir, tmp_path):
-    ports = [str(serve.free_port()) for _ in range(3)]
+    ports = [str(procs.free_port()) for _ in range(3)]
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "fastdecode.serve"]
+    cmd = [sys.executable, "-m", "fastdecode.ops.serve"]
     start = subprocess.run([*cmd, "start", "--model", tiny_model_dir, "--rworkers", "1", "--kv-capacity", "64M",
                             "--run-dir", str(run_dir), "--http-port", ports[0], "--grpc-port", ports[1],
                             "--metrics-port", ports[2], "--openai-port", "0"], capture_output=True, text=True, timeout=300,
@@ -94,7 +94,7 @@ def test_serve_start_and_stop_like_make_serve(tiny_model_dir, tmp_path):
         assert start.returncode == 0, start.stderr
         assert "ready. one streamed completion" in start.stderr and f"127.0.0.1:{ports[1]}" in start.stdout
         pid = int((run_dir / "tritonserver.pid").read_text())
-        assert serve.http_ok(f"http://127.0.0.1:{ports[0]}/v2/health/ready")
+        assert triton.http_ok(f"http://127.0.0.1:{ports[0]}/v2/health/ready")
         again = subprocess.run([*cmd, "start", "--model", tiny_model_dir, "--run-dir", str(run_dir)],
                                capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
         assert again.returncode == 1 and "already runs" in again.stderr
@@ -104,28 +104,28 @@ def test_serve_start_and_stop_like_make_serve(tiny_model_dir, tmp_path):
     assert stop.returncode == 0, stop.stderr
     assert "stopped tritonserver" in stop.stderr and "stopped 1 R-worker" in stop.stderr
     deadline = time.monotonic() + 10
-    while serve._alive(pid) and time.monotonic() < deadline:
+    while procs.alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not serve._alive(pid) and serve._group_members(pid) == []      # no stub left behind
-    assert not serve.http_ok(f"http://127.0.0.1:{ports[0]}/v2/health/ready")
+    assert not procs.alive(pid) and procs.group_members(pid) == []      # no stub left behind
+    assert not triton.http_ok(f"http://127.0.0.1:{ports[0]}/v2/health/ready")
 
 
 def _serve_start(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    ports = [str(serve.free_port()) for _ in range(4)]
-    return subprocess.run([sys.executable, "-m", "fastdecode.serve", "start", "--run-dir", str(run_dir),
+    ports = [str(procs.free_port()) for _ in range(4)]
+    return subprocess.run([sys.executable, "-m", "fastdecode.ops.serve", "start", "--run-dir", str(run_dir),
                            "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
                            "--openai-port", ports[3], *extra],
                           capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
 
 
 def _serve_stop(run_dir: Path) -> None:
-    stop = subprocess.run([sys.executable, "-m", "fastdecode.serve", "stop", "--run-dir", str(run_dir)],
+    stop = subprocess.run([sys.executable, "-m", "fastdecode.ops.serve", "stop", "--run-dir", str(run_dir)],
                           capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert stop.returncode == 0 and "stopped tritonserver" in stop.stderr, stop.stderr
 
 
 @pytest.mark.triton
-@pytest.mark.skipif(not serve.tritonserver_binary().exists(), reason="tritonserver binary missing")
+@pytest.mark.skipif(not triton.tritonserver_binary().exists(), reason="tritonserver binary missing")
 def test_make_serve_streams_its_first_completion(tmp_path):
     """What `make serve` runs, at its defaults (the default model, the R-Part in-process): it exits 0
     only after the first completion streamed text, and prints that text; the OpenAI API it prints
@@ -148,11 +148,11 @@ def test_make_serve_streams_its_first_completion(tmp_path):
         frontend_pid = int((run_dir / "openai_frontend.pid").read_text())
     finally:
         _serve_stop(run_dir)
-    assert not serve._alive(frontend_pid) and not (run_dir / "openai_frontend.pid").exists()
+    assert not procs.alive(frontend_pid) and not (run_dir / "openai_frontend.pid").exists()
 
 
 @pytest.mark.triton
-@pytest.mark.skipif(not serve.tritonserver_binary().exists(), reason="tritonserver binary missing")
+@pytest.mark.skipif(not triton.tritonserver_binary().exists(), reason="tritonserver binary missing")
 def test_make_serve_fails_when_its_first_completion_fails(tiny_model_dir, tmp_path):
     fault = tmp_path / "fault"
     fault.write_text("")                       # every engine step fails while this file exists

@@ -20,8 +20,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-if TYPE_CHECKING:  # torch-free at run time: the R-worker imports these errors without torch
+from rpart.errors import AttentionError, KVCapacityError
+
+if TYPE_CHECKING:
     import torch
+
+__all__ = ["AttentionBackend", "AttentionError", "KVCapacityError", "KVRoom", "KVSpec", "SequencesLost"]
 
 
 @dataclass(frozen=True)
@@ -42,22 +46,6 @@ class KVSpec:
     @property
     def scale(self) -> float:
         return self.head_dim ** -0.5
-
-
-class AttentionError(RuntimeError):
-    """The R-Part failed for a reason that is not the caller's input."""
-
-
-class KVCapacityError(AttentionError):
-    """Out of KV capacity: nothing of the failed call was stored. With seq_ids (an R-worker
-    refused its share of a call): nothing of those sequences, and for a failed submit_decode
-    `output` is o of the whole batch, valid for every row whose sequence is not in seq_ids."""
-
-    def __init__(self, message: str = "", seq_ids: Sequence[int] | None = None,
-                 output: "torch.Tensor | None" = None) -> None:
-        super().__init__(message)
-        self.seq_ids = None if seq_ids is None else list(seq_ids)
-        self.output = output
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""In-process R-Part: the C++ KV store and kernel (fastdecode.kernels) behind
+"""In-process R-Part: the C++ KV store and kernel (rpart.kernels) behind
 the AttentionBackend interface.
 
 With the S-Part on a GPU, submit_decode hands the kernel call to one worker
@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from fastdecode.attention.base import AttentionBackend, KVRoom, KVSpec
-from fastdecode.kernels import KVStore
+from rpart.kernels import KVStore
 
 _KERNEL_DTYPES = (torch.float32, torch.float16)
 

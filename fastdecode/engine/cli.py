@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from fastdecode.config import ATTENTION_BACKENDS, DTYPES, KV_FORMATS, EngineConfig, config_from_settings

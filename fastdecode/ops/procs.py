@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -84,3 +85,20 @@ def log_tail(path: Path, start: int = 0, lines: int = 15) -> str:
     if text is None:
         return "(no log)"
     return "\n".join(text[-lines:]) or "(log empty)"
+
+
+def stable_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` consecutive free ports below the kernel's ephemeral range. A server restarted on the
+    same address needs its port back; a port from the ephemeral range (what binding port 0 gives)
+    can meanwhile become the local port of any outgoing connection, and the restart then fails."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    first = 10000 if low > 10000 + 2 * count else 1024
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(first, low - count)
+        if all(port_free(host, base + i) for i in range(count)):
+            return [base + i for i in range(count)]
+    raise RuntimeError(f"no {count} consecutive free ports in [{first}, {low})")

@@ -1,5 +1,5 @@
-"""`make test-asan`: the C++ kernel (csrc/*.cpp -> fastdecode._kernels) built with AddressSanitizer and
-UBSan into build/asan/ (fastdecode/_kernels*.so, which running processes may have mapped, is never
+"""`make test-asan`: the C++ kernel (csrc/*.cpp -> rpart._kernels) built with AddressSanitizer and
+UBSan into build/asan/ (rpart/_kernels*.so, which running processes may have mapped, is never
 touched), then pytest on the kernel and KV-store tests against that build.
 
     python tests/asan/asan.py build          # incremental: objects rebuilt when a source or header changed
@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "build" / "asan"
-KERNEL_DIR = OUT / "fastdecode"
+KERNEL_DIR = OUT / "rpart"
 SITE = Path(__file__).resolve().parent / "site"
 REPORTS = OUT / "reports"                    # <asan|ubsan>.<pid>, one per process that hit an error
 CXX = os.environ.get("CXX", "g++")
@@ -89,7 +89,7 @@ def environment() -> dict:
 
 
 CHECK = """
-import fastdecode._kernels as k, sys
+import rpart._kernels as k, sys
 maps = open('/proc/self/maps').read()
 assert k.__file__ == sys.argv[1], ('the kernel came from', k.__file__)
 assert 'libasan' in maps and 'libubsan' in maps, 'sanitizer runtimes not loaded'

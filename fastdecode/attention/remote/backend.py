@@ -23,8 +23,8 @@ from fastdecode.attention.remote.connection import WorkerLost, reply_error
 from fastdecode.attention.remote.gather import DecodeGather
 from fastdecode.attention.remote.messages import decode_chunk_rows, kv_wire, prefill_chunks, q_wire
 from fastdecode.attention.remote.placement import Placement
-from rworker.proto import rworker_pb2 as pb
-from rworker.wire import encode_decode_request, keep_freed_memory, to_tensor
+from rpart.proto import rworker_pb2 as pb
+from rpart.wire import encode_decode_request, keep_freed_memory, to_tensor
 
 INT4_K_GROUP, INT4_V_GROUP = 32, 64     # the kernel's default int4 groups (csrc/common.h), an R-worker's too
 

@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastdecode.attention.base import AttentionError, KVCapacityError
 from fastdecode.attention.remote import messages
-from rworker.proto import rworker_pb2 as pb
-from rworker.proto import rworker_pb2_grpc as pb_grpc
-from rworker.wire import HTTP2_OPTIONS, decode_reply
+from rpart.proto import rworker_pb2 as pb
+from rpart.proto import rworker_pb2_grpc as pb_grpc
+from rpart.wire import HTTP2_OPTIONS, decode_reply
 
 log = logging.getLogger("fastdecode.remote")
 
@@ -73,8 +73,8 @@ class WorkerConnection:
                    ("grpc.enable_retries", 0),
                    ("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000),
-                   # keepalive as rworker.wire.client_keepalive_options(): a dead R-worker host breaks the
-                   # stream; pings stay >= the server's min interval (rworker.wire.MIN_CLIENT_PING_INTERVAL_MS)
+                   # keepalive as rpart.wire.client_keepalive_options(): a dead R-worker host breaks the
+                   # stream; pings stay >= the server's min interval (rpart.wire.MIN_CLIENT_PING_INTERVAL_MS)
                    ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
                    ("grpc.http2.ping_timeout_ms", 10_000),
                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]

@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2
 
 from fastdecode.attention.base import AttentionError, KVSpec
 from fastdecode.attention.remote.connection import WorkerConnection
-from rworker.auth import bearer, channel_credentials
-from rworker.proto import rworker_pb2 as pb
+from rpart.auth import bearer, channel_credentials
+from rpart.proto import rworker_pb2 as pb
 
 log = logging.getLogger("fastdecode.remote")
 

@@ -12,7 +12,7 @@ import torch
 
 from fastdecode.attention.base import KVCapacityError, SequencesLost
 from fastdecode.attention.remote.connection import WorkerConnection, WorkerLost, reply_error
-from rworker.wire import WIRE_DTYPES, bf16_to_f32
+from rpart.wire import WIRE_DTYPES, bf16_to_f32
 
 if TYPE_CHECKING:
     from fastdecode.attention.remote.backend import RemoteAttention

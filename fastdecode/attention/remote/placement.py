@@ -19,7 +19,7 @@ import numpy as np
 from fastdecode.attention.base import AttentionError, KVCapacityError, KVSpec
 from fastdecode.attention.remote.connection import WorkerConnection, WorkerLost, reply_error
 from fastdecode.attention.remote.fleet import Fleet, WorkerGroup
-from rworker.proto import rworker_pb2 as pb
+from rpart.proto import rworker_pb2 as pb
 
 log = logging.getLogger("fastdecode.remote")
 

@@ -1,10 +1,10 @@
-"""On PYTHONPATH only under tests/asan/asan.py: fastdecode._kernels is then imported from the
+"""On PYTHONPATH only under tests/asan/asan.py: rpart._kernels is then imported from the
 AddressSanitizer build (FASTDECODE_ASAN_KERNEL_DIR), in this process and in every Python
-subprocess it starts (test R-workers included), instead of fastdecode/_kernels*.so."""
+subprocess it starts (test R-workers included), instead of rpart/_kernels*.so."""
 import os
 
 _dir = os.environ.get("FASTDECODE_ASAN_KERNEL_DIR")
 if _dir:
-    import fastdecode
+    import rpart
 
-    fastdecode.__path__.insert(0, _dir)
+    rpart.__path__.insert(0, _dir)

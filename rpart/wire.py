@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from rworker.proto import rworker_pb2 as pb
+from rpart.proto import rworker_pb2 as pb
 
 # bfloat16 travels as its uint16 bit patterns (numpy has no bfloat16).
 WIRE_DTYPES = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}

@@ -1,4 +1,4 @@
-"""The frontend as a detached process beside tritonserver (`fastdecode.serve start` / `stop`):
+"""The frontend as a detached process beside tritonserver (`fastdecode.ops.serve start` / `stop`):
 pid and log in the run dir, ready when GET /health answers 200."""
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from fastdecode.ops.procs import alive
+from fastdecode.ops.triton import stop_process
 
 PID_FILE = "openai_frontend.pid"
 LOG_FILE = "openai_frontend.log"
@@ -40,13 +43,11 @@ def start(run_dir: Path, triton_grpc_url: str, model_dir: str, host: str, port: 
 
 def stop(run_dir: Path, timeout: float = 15.0) -> int | None:
     """Stop the frontend recorded in `run_dir`; -> its pid, None when none ran."""
-    from fastdecode.serve import _alive, stop_process
-
     pid_file = run_dir / PID_FILE
     if not pid_file.exists():
         return None
     pid = int(pid_file.read_text())
-    if _alive(pid):
+    if alive(pid):
         stop_process(pid, timeout=timeout)
     pid_file.unlink(missing_ok=True)
     return pid

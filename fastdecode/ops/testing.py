@@ -5,7 +5,8 @@ import datetime
 import ipaddress
 from pathlib import Path
 
-from rworker.fleet import LocalFleet
+from fastdecode.config import REPO_ROOT
+from fastdecode.ops.fleet import LocalFleet
 
 
 def store_kind(asked: str = "kernel") -> str:
@@ -15,9 +16,9 @@ def store_kind(asked: str = "kernel") -> str:
     if asked != "kernel":
         return asked
     try:
-        from fastdecode.kernels import KVStore  # noqa: F401
+        from rpart.kernels import KVStore  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"R-workers need the C++ kernel store, and fastdecode.kernels does not import ({e}); "
+        raise ImportError(f"R-workers need the C++ kernel store, and rpart.kernels does not import ({e}); "
                           "run `make build`") from e
     return "kernel"
 
@@ -78,7 +79,7 @@ class Spawned:
         argv = [sys.executable, "-m", "rworker", "--listen", "127.0.0.1:0", "--kv-capacity", "16M",
                 "--threads", "1", "--store", store_kind(), *args]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
-                                     cwd=Path(__file__).resolve().parent.parent)
+                                     cwd=REPO_ROOT)
         deadline = time.monotonic() + timeout
         while True:
             m = re.search(rb"READY (\S+)", self.log_path.read_bytes())

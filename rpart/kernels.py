@@ -1,4 +1,4 @@
-"""Typed wrapper over the C++ R-Part kernel (csrc/ -> fastdecode._kernels).
+"""Typed wrapper over the C++ R-Part kernel (csrc/ -> rpart._kernels).
 
 `KVStore` is the KV-cache of one R-worker: a block pool allocated once
 (huge pages where the OS allows), per (sequence, layer) block tables, fp16 or
@@ -61,10 +61,11 @@ from typing import Sequence
 
 import numpy as np
 
-from fastdecode import _kernels
+from rpart import _kernels
+from rpart.errors import KVCapacityError
+from rpart.formats import KV_FORMATS
 
 ISAS = ("auto", "avx512vnni", "avx512", "avx2", "scalar")
-KV_FORMATS = ("fp16", "int4")
 
 
 def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float | None = None) -> np.ndarray:
@@ -84,12 +85,6 @@ def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
 def cpu_supports(isa: str) -> bool:
     """Whether this CPU (and this build) can run the given kernel path."""
     return isa == "auto" or _kernels.cpu_supports(isa)
-
-
-def _capacity_error():
-    from fastdecode.attention.base import KVCapacityError  # imports torch: only when needed
-
-    return KVCapacityError
 
 
 def _floats(x, name: str) -> np.ndarray:
@@ -255,4 +250,4 @@ class KVStore:
         try:
             return fn(*args)
         except _kernels.CapacityError as e:
-            raise _capacity_error()(str(e)) from None
+            raise KVCapacityError(str(e)) from None

@@ -1,6 +1,6 @@
 """Stream a completion from a fastdecode Triton server over gRPC (tritonclient).
 
-    python -m fastdecode.client "prompt" [--url 127.0.0.1:8001] [--model fastdecode]
+    python -m fastdecode.ops.client "prompt" [--url 127.0.0.1:8001] [--model fastdecode]
                                 [--max-tokens 64] [--temperature 0] [--top-p 1] [--top-k 0] [--seed S]
                                 [--stop STR ...] [--no-stream] [--timeout 300]
 """
@@ -110,7 +110,7 @@ def stream_completion(prompt: str, *, url: str = DEFAULT_URL, model: str = DEFAU
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastdecode.client", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fastdecode.ops.client", description=__doc__.split("\n\n")[0])
     p.add_argument("prompt")
     p.add_argument("--url", default=DEFAULT_URL, help="gRPC address of tritonserver")
     p.add_argument("--model", default=DEFAULT_MODEL)

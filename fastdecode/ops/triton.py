@@ -1,16 +1,4 @@
-"""Run fastdecode on Triton: local R-workers + tritonserver + one streamed completion.
-
-    python -m fastdecode.serve start --model DIR --rworkers N --run-dir DIR
-                                     [--grpc-port 8001 --http-port 8000 --metrics-port 8002]
-                                     [--host 127.0.0.1] [--param KEY=VALUE ...] [--timeout S]
-    python -m fastdecode.serve stop --run-dir DIR
-
-`start` runs the R-Part in-process by default (the local attention backend: the same kernel, on
-the S-Part's cores); --rworkers N launches N local R-workers (rworker.fleet.LocalFleet) and
---rworkers-at HOST:PORT,... uses R-workers that already run elsewhere. It writes
-DIR/model_repository (the repository's config.pbtxt with the model parameters filled in, the
-model code linked, not copied), starts tritonserver in the background (log and pid in DIR),
-waits for /v2/health/ready, streams one completion and prints how to call the server.
+"""tritonserver from the PyPI wheel nvidia-pytriton, run as a child process with our model repository.
 
 The launch recipe for the `tritonserver` of the PyPI wheel nvidia-pytriton==0.7.0 (Triton 2.51),
 proven on a CPU-only machine:
@@ -30,24 +18,21 @@ proven on a CPU-only machine:
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping
 
-from fastdecode.config import EngineConfig, config_from_settings, process_env
+from fastdecode.config import REPO_ROOT, process_env
+from fastdecode.ops.procs import alive, cmdline, free_port, group_members, log_lines
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_MODEL_NAME = "fastdecode"
 
@@ -106,12 +91,6 @@ def python_libdir() -> str:
     return libdir if (Path(libdir) / str(sysconfig.get_config_var("INSTSONAME"))).exists() else ""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 # ---- the model repository a server runs
 
 def pbtxt_parameters(params: Mapping[str, str]) -> str:
@@ -153,7 +132,7 @@ def _set_parameters(text: str, parameters: Mapping[str, str]) -> str:
         if stripped.startswith("parameters") and any(f'key: "{k}"' in stripped for k in parameters):
             continue
         keep.append(line)
-    return "\n".join(keep).rstrip() + "\n\n# set by fastdecode.serve\n" + pbtxt_parameters(parameters) + "\n"
+    return "\n".join(keep).rstrip() + "\n\n# set by fastdecode.ops.serve\n" + pbtxt_parameters(parameters) + "\n"
 
 
 # ---- one tritonserver process
@@ -257,9 +236,8 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
 
 def log_tail(path: Path, lines: int = 25) -> str:
     """The server's error lines (Triton prefixes them with E) and then the last lines of its log."""
-    try:
-        all_lines = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
+    all_lines = log_lines(path)
+    if all_lines is None:
         return "(no log)"
     errors = [line[:2000] for line in all_lines if line.startswith("E") or line.startswith("error:")][-8:]
     tail = [line for line in all_lines[-lines:] if line not in errors and not line.startswith(("|", "+-"))]
@@ -272,20 +250,14 @@ def stop_process(pid: int, timeout: float, proc: subprocess.Popen | None = None)
 
     A safety net: Python-backend stubs outlive a server that gave up waiting for a model to
     unload. Triton 2.51 can keep a model UNLOADING forever when a gRPC client cancels its stream
-    just as the final response of a request is written (see fastdecode.client.generate); then
+    just as the final response of a request is written (see fastdecode.ops.client.generate); then
     the server waits its whole --exit-timeout-secs and exits non-zero with the stub still alive.
     Returns True when none of that was needed: the server exited 0 on SIGTERM, nothing left."""
     clean = True
     def gone() -> bool:
-        if proc is not None:
-            return proc.poll() is not None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return _is_zombie(pid)
+        return proc.poll() is not None if proc is not None else not alive(pid)
 
-    shm = [arg for member in _group_members(pid) for arg in _cmdline(member)
+    shm = [arg for member in group_members(pid) for arg in cmdline(member)
            if arg.startswith("triton_python_backend_shm_region")]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         clean = clean and sig == signal.SIGTERM
@@ -301,9 +273,9 @@ def stop_process(pid: int, timeout: float, proc: subprocess.Popen | None = None)
     if proc is not None and proc.returncode != 0:
         clean = False
     deadline = time.monotonic() + 5.0
-    while _group_members(pid) and time.monotonic() < deadline:
+    while group_members(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _group_members(pid):
+    if group_members(pid):
         clean = False
         try:
             os.killpg(pid, signal.SIGKILL)
@@ -312,193 +284,3 @@ def stop_process(pid: int, timeout: float, proc: subprocess.Popen | None = None)
     for name in shm:
         Path("/dev/shm", name).unlink(missing_ok=True)
     return clean
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live processes of process group `pgid` (zombies excluded)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry.name))
-    return members
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
-
-
-# ---- CLI
-
-def _engine_parameters(args) -> dict[str, str]:
-    params = {"model": str(args.model)}
-    for item in args.param:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--param wants KEY=VALUE, got {item!r}")
-        params[key.strip()] = value
-    return params
-
-
-def cmd_start(args) -> int:
-    run_dir = Path(args.run_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if (run_dir / "tritonserver.pid").exists():
-        pid = int((run_dir / "tritonserver.pid").read_text())
-        if _alive(pid):
-            print(f"tritonserver already runs (pid {pid}) with run dir {run_dir}; `make stop` first", file=sys.stderr)
-            return 1
-    params = _engine_parameters(args)
-    fleet = None
-    if args.rworkers_at:
-        params["rworkers"] = args.rworkers_at
-    elif args.rworkers > 0:
-        from rworker.fleet import LocalFleet
-
-        print(f"starting {args.rworkers} local R-worker(s) ...", file=sys.stderr)
-        fleet = LocalFleet(args.rworkers, run_dir / "rworkers", kv_capacity=args.kv_capacity).start()
-        params["rworkers"] = ",".join(fleet.addresses)
-        print(f"R-workers: {','.join(fleet.addresses)}", file=sys.stderr)
-    try:                                    # bad settings fail here, not as a model that will not load
-        engine_keys = {f.name for f in dataclasses.fields(EngineConfig)}
-        config_from_settings({k: v for k, v in params.items() if k in engine_keys}, plan=params.get("plan", ""))
-    except ValueError as e:
-        print(f"fastdecode.serve: {e}", file=sys.stderr)
-        if fleet is not None:
-            fleet.stop()
-        return 2
-    repo = write_model_repository(run_dir / "model_repository", params)
-    server = TritonServer(repo, run_dir, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
-                          metrics_port=args.metrics_port)
-    print(f"starting tritonserver (log {server.log_path}) ...", file=sys.stderr)
-    try:
-        server.start(timeout=args.timeout)
-    except (RuntimeError, TimeoutError, FileNotFoundError) as e:
-        print(f"fastdecode.serve: {e}", file=sys.stderr)
-        if fleet is not None:
-            fleet.stop()
-        return 1
-    server.proc = None   # keep it running after we exit; `stop` ends it through the pid file
-    (run_dir / "serve.json").write_text(json.dumps({"http": server.http_url, "grpc": server.grpc_url,
-                                                    "metrics": server.metrics_url, "parameters": params}, indent=1))
-    from fastdecode import client
-
-    prompt = "The sea is"
-    print(f"\nready. one streamed completion from model {DEFAULT_MODEL_NAME!r}:", file=sys.stderr)
-    print(prompt, end="", flush=True)
-    try:
-        text = client.stream_completion(prompt, url=server.grpc_url,
-                                        sampling={"max_tokens": 32, "temperature": 0.0}, out=sys.stdout)
-    except Exception as e:  # noqa: BLE001 -- any failure of the first completion fails the command
-        text, reason = "", f"{type(e).__name__}: {e}"
-    else:
-        reason = "" if text else "the completion streamed no text"
-    if reason:
-        print(f"\nfastdecode.serve: the server started but its first completion failed ({reason}); it keeps "
-              f"running for a look at {server.log_path}; `make stop` ends it", file=sys.stderr)
-        return 1
-    openai = ""
-    if args.openai_port:
-        from openai_frontend import process as openai_process
-
-        try:
-            url = openai_process.start(run_dir, server.grpc_url, str(Path(args.model).resolve()), server.host,
-                                       args.openai_port)
-        except RuntimeError as e:
-            print(f"\nfastdecode.serve: {e}\ntritonserver keeps running; `make stop` ends it", file=sys.stderr)
-            return 1
-        openai = f"""
-OpenAI API: {url}/v1 (model {Path(args.model).name!r})
-  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\
-       -d '{{"model": "{Path(args.model).name}", "messages": [{{"role": "user", "content": "Hello"}}]}}'"""
-    print(f"""
-
-tritonserver runs on {server.host}: HTTP {server.http_port}, gRPC {server.grpc_port}, metrics {server.metrics_port}
-  python -m fastdecode.client "Hello" --url {server.grpc_url} --max-tokens 64
-  curl -s -X POST http://{server.http_url}/v2/models/{DEFAULT_MODEL_NAME}/generate \\
-       -d '{{"text_input": "Hello", "sampling_parameters": "{{\\"max_tokens\\": 32}}"}}'
-  curl -sN -X POST http://{server.http_url}/v2/models/{DEFAULT_MODEL_NAME}/generate_stream \\
-       -d '{{"text_input": "Hello", "stream": true, "sampling_parameters": "{{\\"max_tokens\\": 32}}"}}'
-  curl -s {server.metrics_url} | grep fastdecode_{openai}
-stop with: make stop   (python -m fastdecode.serve stop --run-dir {run_dir})""")
-    return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not _is_zombie(pid)
-
-
-def cmd_stop(args) -> int:
-    run_dir = Path(args.run_dir)
-    from openai_frontend import process as openai_process
-
-    if (pid := openai_process.stop(run_dir)) is not None:
-        print(f"stopped the OpenAI frontend (pid {pid})", file=sys.stderr)
-    pid_file = run_dir / "tritonserver.pid"
-    if pid_file.exists():
-        pid = int(pid_file.read_text())
-        if _alive(pid):
-            clean = stop_process(pid, timeout=args.timeout)
-            print(f"stopped tritonserver (pid {pid})" + ("" if clean else
-                  f"; it did not exit cleanly, leftovers were killed (log {run_dir / 'tritonserver.log'})"),
-                  file=sys.stderr)
-        pid_file.unlink(missing_ok=True)
-    else:
-        print(f"no tritonserver recorded in {run_dir}", file=sys.stderr)
-    if (run_dir / "rworkers" / "fleet.json").exists():
-        from rworker.fleet import LocalFleet
-
-        fleet = LocalFleet.load(run_dir / "rworkers")
-        if fleet is not None:
-            fleet.stop()
-            print(f"stopped {fleet.n} R-worker(s)", file=sys.stderr)
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastdecode.serve", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("start")
-    s.add_argument("--model", default="models/smollm2-135m-instruct", help="HF model directory")
-    s.add_argument("--rworkers", type=int, default=0, help="local R-workers; 0 = in-process attention (default)")
-    s.add_argument("--rworkers-at", default="", help="HOST:PORT,... of R-workers already running elsewhere")
-    s.add_argument("--kv-capacity", default="1G", help="KV pool of each local R-worker")
-    s.add_argument("--run-dir", required=True)
-    s.add_argument("--host", default="127.0.0.1", help="address tritonserver binds to")
-    s.add_argument("--http-port", type=int, default=8000)
-    s.add_argument("--grpc-port", type=int, default=8001)
-    s.add_argument("--metrics-port", type=int, default=8002)
-    s.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API beside Triton; 0 = off")
-    s.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                   help="a model parameter (EngineConfig field, e.g. scheduler=sls, dtype=bfloat16)")
-    s.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to be ready")
-    t = sub.add_parser("stop")
-    t.add_argument("--run-dir", required=True)
-    t.add_argument("--timeout", type=float, default=40.0)
-    args = p.parse_args(argv)
-    return cmd_start(args) if args.command == "start" else cmd_stop(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
