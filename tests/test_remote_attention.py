@@ -449,3 +449,39 @@ def pb_open(ids):
     from rpart.proto import rworker_pb2 as pb
 
     return pb.Request(open=pb.Open(seq_ids=ids))
+
+
+def test_a_prefill_error_beside_a_lost_worker_is_not_dropped(fleet, monkeypatch):
+    """One worker of a prefill call is lost while another answers with an error: the call fails
+    with that error (it used to raise only SequencesLost, and the other sequences went on
+    without their KV)."""
+    from concurrent.futures import Future
+
+    import grpc
+
+    from fastdecode.attention.remote import connection as remote_mod
+    from rpart.proto import rworker_pb2 as pb
+
+    spec = KVSpec(2, 4, 2, 16)
+    backend = remote(spec, fleet.addresses[:2])
+    try:
+        backend.open([1, 2])
+        assert backend.placement[1] is not backend.placement[2]                # one sequence each
+        send = remote_mod.WorkerConnection.send
+
+        def faulty(self, request, *args, **kw):
+            if request.WhichOneof("op") != "prefill":
+                return send(self, request, *args, **kw)
+            fut: Future = Future()
+            if self.index == 0:
+                fut.set_exception(remote_mod.WorkerLost("test: worker 0 gone"))
+            else:
+                fut.set_result(pb.Reply(call_id=request.call_id, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                        message="test: bad k"))
+            return fut
+
+        monkeypatch.setattr(remote_mod.WorkerConnection, "send", faulty)
+        with pytest.raises(ValueError, match="test: bad k"):
+            backend.prefill(0, [1, 2], [1, 1], torch.zeros(2, 2, 16), torch.zeros(2, 2, 16))
+    finally:
+        backend.shutdown()

@@ -158,14 +158,14 @@ class RemoteAttention(Placement, AttentionBackend):
                 lost.extend(ids)
             except WorkerLost:
                 lost.extend(ids)
+        if error is not None:            # fails the call, whatever else went wrong in it
+            raise error
         if refused:                      # lost ones with them: the engine recomputes both alike
             ids = list(dict.fromkeys([s for r, _ in refused for s in r] + lost))
             raise KVCapacityError(refused[0][1], ids)
         if lost:
             lost = list(dict.fromkeys(lost))
             raise SequencesLost(lost, self.lost_reason.get(lost[0], "R-worker lost"))
-        if error is not None:
-            raise error
         if layer == 0:
             with self.lock:
                 for s, n in zip(seq_ids, lens):
