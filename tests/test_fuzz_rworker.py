@@ -1,4 +1,5 @@
-"""Fuzzing the R-worker (issue #17): its validation layer in process, then its wire on a live server.
+"""Fuzzing the R-worker (issue #17): its validation layer in process. (Its wire on a live server is
+test_fuzz_rworker_wire.py; shapes and Configure at their limits, test_fuzz_rworker_shapes.py.)
 
 In process, against the real kernel store: every field of every call is drawn over its whole range
 (ids, lengths and shape dimensions up to +-2**63, layers and KV shapes over int32, call ids over
@@ -8,32 +9,24 @@ and otherwise with the status of one of its faults and a message naming it. The 
 sequence, the fuzzing connection's and a bystander connection's, is read back after every call and
 must hold exactly what the accepted calls appended; an accepted decode's o must match the float64
 reference attention.
-
-On the wire: random bytes and mutated encodings of valid requests sent to a live `python -m rworker`
-end only their own stream (when they do not parse) or get a reply with a client-error status; the
-server keeps serving and a bystander's cache answers correctly throughout.
 """
 from __future__ import annotations
 
 import math
-import queue
 import re
-import time
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rpart.kernels import reference_attention
 from rpart.proto import rworker_pb2 as pb
-from rpart.proto import rworker_pb2_grpc as pb_grpc
-from rworker.connection import MAX_IDS_PER_CALL, CallError, tensor_to_numpy
+from rworker.connection import MAX_IDS_PER_CALL
 from rworker.service import RWorkerService
-from fastdecode.ops.testing import local_fleet
 from rpart.wire import bf16_to_f32, f32_to_bf16
+
 
 C = grpc.StatusCode
 LAYERS, HKV, D = 2, 2, 16
@@ -410,234 +403,3 @@ def test_every_call_gets_the_status_its_faults_call_for_and_others_keep_their_kv
         np.testing.assert_allclose(o[s], reference_attention(q[s], *bystander.cache(s, 1)), rtol=1e-4, atol=1e-4)
     assert service.store.stats()["sequences"] == 2
     bystander.check_store()
-
-
-@pytest.mark.parametrize("shape, data", [
-    ((1 << 59, 2, 16), b""),                        # 2**64 elements: the int64 count wrapped to 0 bytes expected
-    (((1 << 59) + 1, 2, 16), bytes(64)),            # wrapped to the 32 elements sent
-], ids=["wraps to 0", "wraps to the bytes sent"])
-def test_a_wire_shape_whose_element_count_wraps_int64_is_refused_by_its_byte_count(shape, data):
-    """Found by the fuzzing above: the int64 product of such a shape wrapped around, passed the byte
-    count check, and the call was refused only by numpy's reshape, with numpy's words."""
-    with pytest.raises(CallError, match=rf"^k: {len(data)} bytes for shape .* \(expected {math.prod(shape) * 2}\)"):
-        tensor_to_numpy(pb.Tensor(data=data, shape=shape, dtype="float16"), "k")
-
-
-def test_a_wire_shape_of_many_dimensions_is_refused_naming_it():
-    with pytest.raises(CallError, match=r"^v: shape \(1, 1, .*\) has 40 dimensions"):
-        tensor_to_numpy(pb.Tensor(data=bytes(4), shape=[1] * 40, dtype="float32"), "v")
-    with pytest.raises(CallError, match=r"^q: shape \(0, 9223372036854775807, 16\) unusable"):
-        tensor_to_numpy(pb.Tensor(data=b"", shape=(0, (1 << 63) - 1, 16), dtype="float32"), "q")
-
-
-CONFIGURE_EDGES = st.sampled_from([-(1 << 31), -1, 0, 1, 2, 3, 16, 64, 1024, 1025, 4096, 4097, (1 << 31) - 1])
-
-
-@FUZZ
-@given(layers=CONFIGURE_EDGES | st.integers(-(1 << 31), (1 << 31) - 1),
-       heads=CONFIGURE_EDGES | st.integers(1, 64), head_dim=CONFIGURE_EDGES | st.integers(1, 256),
-       kv_format=st.sampled_from(["fp16", "int4"]) | st.text(max_size=5))
-def test_configure_over_int32_builds_a_working_store_or_says_why(layers, heads, head_dim, kv_format):
-    """Shapes within the documented limits get a store (the pool holds one block of the largest);
-    then a one-token prefill and a decode on the last layer work. Others are refused, naming why."""
-    service = RWorkerService(260 << 20, threads=1)
-    try:
-        side = Side(service, "fuzz")
-        faults = []
-        if not (1 <= layers <= 4096 and 1 <= heads <= 4096 and 1 <= head_dim <= 1024):
-            faults.append(Fault(C.INVALID_ARGUMENT, r"bad KV shape"))
-        if kv_format not in ("fp16", "int4"):
-            faults.append(Fault(C.INVALID_ARGUMENT, r"unknown kv_format"))
-        if kv_format == "int4" and head_dim % 16:
-            faults.append(Fault(C.INVALID_ARGUMENT, r"int4 KV needs head_dim % 16 == 0"))
-        reply = side.call(configure=pb.Configure(num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
-                                                 kv_format=kv_format))
-        check_answer(reply, faults, (layers, heads, head_dim, kv_format))
-        if faults:
-            assert service.store is None
-            reply = side.call(open=pb.Open(seq_ids=[0]))
-            check_answer(reply, [Fault(C.FAILED_PRECONDITION, r"Configure must be the first call")], "unconfigured")
-            return
-        if heads * head_dim > 1 << 16:
-            return                     # built and accepted; the round trip below would move megabytes
-        rng = np.random.default_rng(layers ^ heads ^ head_dim)
-        kv = rng.standard_normal((2, 1, heads, head_dim)).astype(np.float16)
-        q = rng.standard_normal((1, heads, head_dim)).astype(np.float32)
-        assert side.call(open=pb.Open(seq_ids=[0])).code == 0
-        t = [pb.Tensor(data=x.tobytes(), shape=x.shape, dtype="float16") for x in kv]
-        reply = side.call(prefill=pb.Prefill(layer=layers - 1, seq_ids=[0], lens=[1], k=t[0], v=t[1]))
-        assert reply.code == 0, reply.message
-        reply = side.call(decode=pb.Decode(layer=layers - 1, seq_ids=[0], k=t[0], v=t[1],
-                                           q=pb.Tensor(data=q.tobytes(), shape=q.shape, dtype="float32")))
-        assert reply.code == 0, reply.message
-        o = np.frombuffer(reply.o.data, np.float32).reshape(q.shape)
-        k2, v2 = np.concatenate([kv[0], kv[0]]), np.concatenate([kv[1], kv[1]])
-        if kv_format == "fp16":
-            np.testing.assert_allclose(o[0], reference_attention(q[0], k2, v2), rtol=1e-4, atol=1e-4)
-        else:   # int4: against the cache as stored (dequantized)
-            np.testing.assert_allclose(o[0], reference_attention(q[0], *service.store.read(side.conn.base, layers - 1)),
-                                       rtol=1e-4, atol=1e-4)
-    finally:
-        if service.store is not None:
-            service.store.close()
-
-
-# ---- a live R-worker: bytes off the wire
-
-SESSION = "/fastdecode.rworker.RWorker/Session"
-CONFIGURE = pb.Request(call_id=1, configure=pb.Configure(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D,
-                                                         kv_format="fp16")).SerializeToString()
-CLIENT_CODES = {C.OK, C.INVALID_ARGUMENT, C.NOT_FOUND, C.RESOURCE_EXHAUSTED, C.FAILED_PRECONDITION,
-                C.ALREADY_EXISTS}
-
-
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    with local_fleet(1, tmp_path_factory.mktemp("fuzz_rw"), kv_capacity="4M",
-                     extra_args=("--max-message-size", "1M", "--max-sequences", "64")) as fleet:
-        yield fleet.addresses[0]
-
-
-class Client:
-    """One Session stream of whole Requests; call() waits for the reply to the one it sent."""
-
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address)
-        self.requests: queue.SimpleQueue = queue.SimpleQueue()
-        self.replies = pb_grpc.RWorkerStub(self.channel).Session(iter(self.requests.get, None))
-        self.next_id = 0
-
-    def call(self, **op) -> pb.Reply:
-        self.next_id += 1
-        self.requests.put(pb.Request(call_id=self.next_id, **op))
-        reply = next(self.replies)
-        assert reply.call_id == self.next_id
-        return reply
-
-    def close(self) -> None:
-        self.requests.put(None)
-        self.channel.close()
-
-
-def valid_requests(rng) -> list[bytes]:
-    """One encoded request of each operation, to be mutated."""
-    q = rng.standard_normal((2, 2 * HKV, D)).astype(np.float32)
-    kv = rng.standard_normal((2, 2, HKV, D)).astype(np.float16)
-    t = lambda x: pb.Tensor(data=x.tobytes(), shape=x.shape, dtype=x.dtype.name)  # noqa: E731
-    ops = [dict(open=pb.Open(seq_ids=[1, 2])), dict(close=pb.Close(seq_ids=[1])),
-           dict(prefill=pb.Prefill(layer=1, seq_ids=[1, 2], lens=[1, 1], k=t(kv[0]), v=t(kv[1]))),
-           dict(decode=pb.Decode(layer=0, seq_ids=[1, 2], q=t(q), k=t(kv[0]), v=t(kv[1]))),
-           dict(configure=pb.Configure(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D, kv_format="fp16"))]
-    return [pb.Request(call_id=7, **op).SerializeToString() for op in ops]
-
-
-VALID_REQUESTS = valid_requests(np.random.default_rng(5))
-
-
-def unknown_field(number: int, value: int | bytes) -> bytes:
-    """A well-formed field this proto does not define: a varint, or a length-delimited run of bytes."""
-    def varint(n: int) -> bytes:
-        out = bytearray()
-        while n >= 0x80:
-            out.append(n & 0x7F | 0x80)
-            n >>= 7
-        return bytes(out + bytes([n]))
-    if isinstance(value, int):
-        return varint(number << 3) + varint(value)
-    return varint(number << 3 | 2) + varint(len(value)) + value
-
-
-@st.composite
-def payloads(draw):
-    kind = draw(st.sampled_from(["bytes", "mutated", "mutated", "extended"]))
-    if kind == "bytes":
-        return draw(st.binary(max_size=600))
-    if kind == "extended":   # parses: a valid request, its call id anywhere in uint64, unknown fields around it
-        request = pb.Request.FromString(draw(st.sampled_from(VALID_REQUESTS)))
-        request.call_id = draw(call_ids)
-        extra = draw(st.lists(st.tuples(st.integers(16, (1 << 29) - 1),
-                                        st.integers(0, (1 << 64) - 1) | st.binary(max_size=40)), max_size=3))
-        return request.SerializeToString() + b"".join(unknown_field(n, v) for n, v in extra)
-    base = bytearray(draw(st.sampled_from(VALID_REQUESTS)))
-    for _ in range(draw(st.integers(1, 4))):
-        how = draw(st.sampled_from(["flip", "cut", "insert", "varint"]))
-        at = draw(st.integers(0, len(base)))
-        if how == "flip" and base:
-            base[min(at, len(base) - 1)] ^= 1 << draw(st.integers(0, 7))
-        elif how == "cut":
-            del base[at:at + draw(st.integers(1, 16))]
-        elif how == "insert":
-            base[at:at] = draw(st.binary(min_size=1, max_size=8))
-        else:   # a maximal varint: a length or value of 2**63 and more
-            base[at:at] = b"\xff" * 9 + b"\x01"
-    return bytes(base)
-
-
-def session_of_bytes(address: str, messages: list[bytes]):
-    """Sends raw messages on one stream; (the replies received, the stream's error or None)."""
-    replies = []
-    with grpc.insecure_channel(address) as ch:
-        try:
-            for r in ch.stream_stream(SESSION)(iter(messages), timeout=30):
-                replies.append(pb.Reply.FromString(r))
-        except grpc.RpcError as e:
-            return replies, e
-    return replies, None
-
-
-def stats(address: str) -> pb.StatsReply:
-    with grpc.insecure_channel(address) as ch:
-        return pb_grpc.RWorkerStub(ch).Stats(pb.StatsRequest(), timeout=10)
-
-
-def bystander_decodes_correctly(client: Client, ks, vs, rng) -> None:
-    q = rng.standard_normal((1, 2 * HKV, D)).astype(np.float32)
-    kv = rng.standard_normal((2, 1, HKV, D)).astype(np.float16)
-    t = lambda x: pb.Tensor(data=x.tobytes(), shape=x.shape, dtype=x.dtype.name)  # noqa: E731
-    reply = client.call(decode=pb.Decode(layer=0, seq_ids=[9], q=t(q), k=t(kv[0]), v=t(kv[1])))
-    assert reply.code == 0, reply.message
-    ks.append(kv[0][0])
-    vs.append(kv[1][0])
-    o = np.frombuffer(reply.o.data, np.float32).reshape(q.shape)
-    np.testing.assert_allclose(o[0], reference_attention(q[0], np.array(ks), np.array(vs)), rtol=1e-4, atol=1e-4)
-
-
-def test_random_bytes_end_only_their_stream_and_the_worker_keeps_serving(worker):
-    rng = np.random.default_rng(11)
-    bystander = Client(worker)
-    assert bystander.call(configure=pb.Configure(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D,
-                                                 kv_format="fp16")).code == 0
-    assert bystander.call(open=pb.Open(seq_ids=[9])).code == 0
-    ks, vs = [], []
-    bystander_decodes_correctly(bystander, ks, vs, rng)
-    outcomes = {"parsed": 0, "refused": 0}
-
-    @settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(payloads())
-    def check(payload):
-        try:
-            request = pb.Request.FromString(payload)
-        except Exception:  # noqa: BLE001 -- protobuf's DecodeError: the server cannot parse it either
-            request = None
-        replies, error = session_of_bytes(worker, [CONFIGURE, payload])
-        assert replies and replies[0].call_id == 1 and replies[0].code == 0, (replies, error)
-        if request is None:
-            outcomes["refused"] += 1
-            assert len(replies) == 1 and error is not None, (payload, replies)
-            assert error.code() in (C.INTERNAL, C.INVALID_ARGUMENT, C.UNKNOWN), error
-        else:
-            outcomes["parsed"] += 1
-            assert error is None, (payload, error)
-            assert len(replies) == 2 and replies[1].call_id == request.call_id, (payload, replies)
-            assert status(replies[1]) in CLIENT_CODES, (request, replies[1].message)
-
-    check()
-    assert outcomes["parsed"] >= 10 and outcomes["refused"] >= 10, outcomes
-    bystander_decodes_correctly(bystander, ks, vs, rng)
-    deadline = time.monotonic() + 60          # every fuzzing stream has ended and freed its sequences
-    while (stats(worker).connections, stats(worker).sequences) != (1, 1) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    s = stats(worker)
-    assert (s.connections, s.sequences) == (1, 1)
-    assert s.kv_tokens == len(ks)
-    bystander.close()

@@ -6,18 +6,16 @@ finishes after `actual` generated tokens (<= max_tokens: early stops).
 """
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastdecode.config import EngineConfig
-from fastdecode.scheduler import create_scheduler
 from fastdecode.scheduler.base import Candidate
 from fastdecode.scheduler.fcfs import FCFSScheduler
 from fastdecode.scheduler.sls import LoadPlan, SLSScheduler, paper_w_max
+
 
 FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -82,127 +80,6 @@ def simulate(sched, reqs: list[Req], max_steps: int, check=None) -> Run:
 def uniform(count: int, length: int) -> list[Req]:
     """The paper's model: every sequence starts empty and grows to `length`."""
     return [Req(0, 0, length, length) for _ in range(count)]
-
-
-traffic = st.lists(
-    st.tuples(st.integers(0, 60), st.integers(0, 24), st.integers(1, 40), st.floats(0, 1)),
-    min_size=1, max_size=60)
-
-
-def make_reqs(spec, early: bool) -> list[Req]:
-    out = []
-    for arrival, prompt, max_tokens, u in spec:
-        actual = max(1, round(u * max_tokens)) if early else max_tokens
-        out.append(Req(arrival, prompt, max_tokens, actual))
-    return out
-
-
-@FAST
-@given(spec=traffic, early=st.booleans(), f=st.integers(1, 12), slack=st.integers(0, 400),
-       max_running=st.integers(1, 64), max_prefill=st.integers(1, 200))
-def test_context_in_flight_never_exceeds_w_lim(spec, early, f, slack, max_running, max_prefill):
-    reqs = make_reqs(spec, early)
-    w_lim = max(r.prompt + r.max_tokens for r in reqs) + slack
-    sched = SLSScheduler(max_running, max_prefill, f, w_lim=w_lim)
-
-    def check(s, t, cands, num_running, n):
-        # The admitted prefix fits; one more (within capacity and cap) would not.
-        assert s.plan.peak(t, cands[:n]) <= w_lim
-        if num_running or len(s.plan):
-            limit = min(s.capacity(cands, num_running), s.micro_batch_size(cands))
-            if n < limit and t >= s.next_admit:
-                assert s.plan.peak(t, cands[: n + 1]) > w_lim
-
-    run = simulate(sched, reqs, 5000, check)
-    assert max(run.loads) <= w_lim
-    assert max(run.batch) <= max_running
-    assert run.predicted_ok, "the plan's load_at(t) must equal the simulated context in flight"
-    # No starvation: everything ran; FCFS: admitted in arrival order.
-    assert all(r.finished >= 0 for r in reqs)
-    by_arrival = sorted(reqs, key=lambda r: r.arrival)
-    assert [r.admitted for r in by_arrival] == sorted(r.admitted for r in by_arrival)
-
-
-@FAST
-@given(spec=traffic, early=st.booleans(), f=st.integers(1, 12), max_running=st.integers(1, 64))
-def test_derived_w_lim_bounds_every_shared_admission(spec, early, f, max_running):
-    """sls_w_lim = 0 (the default): W_lim is derived from the traffic seen so far; every
-    admission beside other work keeps the predicted peak under the W_lim of that moment,
-    and the context in flight stays under the largest W_lim in force (a request longer
-    than W_lim runs only alone, on an idle system)."""
-    reqs = make_reqs(spec, early)
-    sched = SLSScheduler(max_running, 10**6, f)
-    limits = []
-
-    def check(s, t, cands, num_running, n):
-        if not n:
-            return
-        w_lim = s.w_lim(cands)
-        limits.append(w_lim)
-        alone = num_running == 0 and len(s.plan) == 0 and n == 1 and cands[0].max_len > w_lim
-        if alone:
-            limits.append(cands[0].max_len)
-        else:
-            assert s.plan.peak(t, cands[:n]) <= w_lim
-
-    run = simulate(sched, reqs, 20_000, check)
-    assert all(r.finished >= 0 for r in reqs)
-    assert max(run.loads) <= max(limits)
-
-
-@FAST
-@given(spec=traffic, early=st.booleans(), f=st.integers(1, 12), max_running=st.integers(1, 16))
-def test_no_request_starves(spec, early, f, max_running):
-    """Tight W_lim (the longest request): the head of the queue waits at most the
-    longest lifetime plus F, however much traffic is behind it."""
-    reqs = make_reqs(spec, early)
-    w_lim = max(r.prompt + r.max_tokens for r in reqs)
-    sched = SLSScheduler(max_running, 10**6, f, w_lim=w_lim)
-    run = simulate(sched, reqs, 10_000)
-    assert all(r.finished >= 0 for r in reqs)
-    longest = max(r.max_tokens for r in reqs)
-    n_ahead_bound = len(reqs)
-    for r in reqs:
-        assert r.admitted - r.arrival <= n_ahead_bound * (longest + f)
-    # Head-of-line wait: from the step a request becomes the head to its admission.
-    order = sorted(reqs, key=lambda r: (r.arrival, r.admitted))
-    prev_admit = -1
-    for r in order:
-        became_head = max(r.arrival, prev_admit)
-        assert r.admitted - became_head <= max(longest, f), (r, became_head)
-        prev_admit = r.admitted
-
-
-@FAST
-@given(spec=traffic, f=st.integers(1, 12))
-def test_wait_at_most_f_while_under_w_lim(spec, f):
-    """W_lim and the batch limits never bind: every request waits < F steps."""
-    reqs = make_reqs(spec, early=True)
-    sched = SLSScheduler(10**6, 10**6, f, w_lim=10**9, micro_batch=10**6)
-    run = simulate(sched, reqs, 5000)
-    assert max(r.admitted - r.arrival for r in reqs) <= f - 1
-    # Admissions are F apart unless the system was idle in between.
-    for a, b in zip(run.admit_steps, run.admit_steps[1:]):
-        idle_before_b = all(r.finished < b for r in reqs if 0 <= r.admitted < b)
-        assert b - a >= f or idle_before_b
-
-
-@FAST
-@given(spec=traffic, f=st.integers(1, 12), m=st.integers(1, 6))
-def test_wait_bounded_by_micro_batches_ahead(spec, f, m):
-    """With the micro-batch cap on (M = m) and W_lim not binding, a request with q requests
-    waiting ahead of it when it arrives is admitted within ceil((q + 1) / M) admission
-    slots, F apart: its wait is below F * ceil((q + 1) / M) steps. With q < M (arrivals at
-    the rate the schedule admits) that is the paper's "at most F steps"."""
-    reqs = make_reqs(spec, early=True)
-    sched = SLSScheduler(10**6, 10**6, f, w_lim=10**9, micro_batch=m)
-    simulate(sched, reqs, 20_000)
-    order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival)
-    for pos, i in enumerate(order):
-        r = reqs[i]
-        ahead = sum(1 for j in order[:pos] if reqs[j].admitted >= r.arrival)
-        assert r.admitted >= r.arrival
-        assert r.admitted - r.arrival <= f * -(-(ahead + 1) // m) - 1, (r, ahead)
 
 
 @pytest.mark.parametrize("B,S,F", [(8, 16, 4), (64, 64, 8), (32, 128, 16), (12, 12, 3), (6, 9, 3)])
@@ -287,101 +164,6 @@ def test_earliest_step_matches_algorithm1(sizes, S, gap, slack, m):
         assert plan.peak(t) <= w_lim
     cands = [Candidate(rid + i, 0, S) for i in range(m)]
     assert plan.earliest_step(t, cands, w_lim) == paper_earliest_step(batches, m, t, w_lim)
-
-
-def test_idle_system_admits_immediately():
-    sched = SLSScheduler(4, 10**6, f=50, w_lim=100)
-    assert sched.admit(0, [Candidate(1, 3, 10)], 0) == 1
-    sched.on_admitted(0, [Candidate(1, 3, 10)])
-    # busy and inside the F window: waits
-    assert sched.admit(1, [Candidate(2, 3, 10)], 1) == 0
-    sched.on_finished(5, 1, 5)           # early finish empties the system
-    assert sched.admit(6, [Candidate(2, 3, 10)], 0) == 1     # idle: F does not apply
-    st_ = sched.stats()
-    assert st_["in_flight"] == 0 and st_["w_lim"] == 100
-
-
-def test_early_finish_releases_future_load():
-    sched = SLSScheduler(8, 10**6, f=1, w_lim=30)
-    a = Candidate(1, 0, 20)
-    sched.on_admitted(0, [sched_admit_all(sched, 0, [a])])
-    b = Candidate(2, 0, 20)
-    assert sched.admit(1, [b], 1) == 0                 # 20 + 19 at step 19 > 30
-    blocked = sched.stats()
-    assert blocked["predicted_peak"] == 20 and blocked["next_admit_step"] == 10   # b at r holds 20 - r at step 19
-    sched.on_finished(2, 1, 3)
-    assert sched.admit(3, [b], 0) == 1
-
-
-def sched_admit_all(sched, step, cands):
-    assert sched.admit(step, cands, 0) == len(cands)
-    return cands[0]
-
-
-def test_oversized_request_runs_alone_and_check_rejects_it():
-    sched = SLSScheduler(4, 10**6, f=2, w_lim=50)
-    big = Candidate(1, 40, 20)
-    with pytest.raises(ValueError, match="sls_w_lim"):
-        sched.check(big)
-    sched.check(Candidate(2, 10, 10))
-    small = Candidate(3, 1, 5)
-    sched.on_admitted(0, [small])
-    assert sched.admit(2, [big], 1) == 0               # never beside others
-    sched.on_finished(4, 3, 5)
-    assert sched.admit(5, [big], 0) == 1               # alone, when idle
-
-
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(f=0), "F"), (dict(f=-3), "F"), (dict(f=2.5), "F"), (dict(f="8"), "F"),
-    (dict(f=4, w_lim=-1), "W_lim"), (dict(f=4, w_lim=100, target_len=512), "smaller than one request"),
-    (dict(f=4, target_len=-5), "S"), (dict(f=4, micro_batch=-1), "micro_batch"),
-])
-def test_garbage_settings_are_clear_errors(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        SLSScheduler(16, 1024, **kwargs)
-
-
-def test_garbage_config_and_requests():
-    with pytest.raises(ValueError, match="sls_f"):
-        EngineConfig(scheduler="sls", sls_f=0)
-    with pytest.raises(ValueError, match="smaller than one request"):
-        create_scheduler(EngineConfig(scheduler="sls", sls_w_lim=10, sls_target_len=64))
-    sched = create_scheduler(EngineConfig(scheduler="sls", sls_f=4, max_running=8))
-    assert isinstance(sched, SLSScheduler) and sched.f == 4
-    with pytest.raises(ValueError, match="max_tokens"):
-        sched.plan.peak(0, [Candidate(1, 3, 0)])
-    with pytest.raises(ValueError, match="prompt_len"):
-        sched.plan.add(0, [Candidate(1, -1, 4)])
-    plan = LoadPlan()
-    plan.add(0, [Candidate(1, 2, 5)])
-    with pytest.raises(ValueError, match="already in flight"):
-        plan.add(1, [Candidate(1, 2, 5)])
-    plan.remove(12345)                                   # unknown id: ignored
-    assert plan.load_at(0) == 3
-
-
-def test_late_retirement_is_never_under_counted():
-    """The engine retires a request later than its predicted end: it still counts."""
-    sched = SLSScheduler(8, 10**6, f=1, w_lim=20)
-    sched.on_admitted(0, [Candidate(1, 0, 10)])        # predicted end: step 9, 10 tokens
-    late = Candidate(2, 10, 5)                         # alone: 11..15 tokens, fits
-    assert sched.admit(12, [late], 1) == 0             # beside the overdue one (13 at step 12): 24 > 20
-    sched.on_finished(12, 1, 10)
-    assert sched.admit(13, [late], 0) == 1
-
-
-def test_sls_against_fcfs_on_random_traffic():
-    """Same mixed traffic: SLS bounds the peak context, FCFS does not; SLS still finishes
-    every request, at most a bounded number of steps later."""
-    rng = random.Random(7)
-    spec = [(rng.randint(0, 400), rng.randint(1, 32), rng.randint(16, 96), rng.random()) for _ in range(600)]
-    B, F = 48, 8
-    sls = SLSScheduler(B, 4096, F)
-    r_sls = simulate(sls, make_reqs(spec, early=False), 20_000)
-    r_fcfs = simulate(FCFSScheduler(B, 4096), make_reqs(spec, early=False), 20_000)
-    assert max(r_sls.loads) <= sls.w_lim() < max(r_fcfs.loads)
-    assert all(r.finished >= 0 for r in r_sls.reqs)
-    assert len(r_sls.loads) < 1.6 * len(r_fcfs.loads)
 
 
 def test_paper_w_max():

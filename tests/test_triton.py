@@ -10,8 +10,6 @@ import queue
 import re
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -20,13 +18,16 @@ import pytest
 from fastdecode.ops import client
 from fastdecode.ops.triton import TritonServer, log_tail, tritonserver_binary, write_model_repository
 
+from triton_helpers import (MODEL, GREEDY, generate, generate_concurrently, text, http_post, kv_held,
+                             wait_for, settled_metrics, metric_values, total, by_label, STEP_PARTS,
+                             raw_stream, tensor, bytes_tensor, model_state, stub_processes, http_json,
+                             load_with_config, reload_with_config)
+
+
 pytestmark = [pytest.mark.triton,
               pytest.mark.skipif(not tritonserver_binary().exists(),
                                  reason=f"tritonserver binary missing ({tritonserver_binary()}): "
                                         "pip install nvidia-pytriton==0.7.0")]
-
-MODEL = "fastdecode"
-GREEDY = {"temperature": 0.0, "max_tokens": 24}
 
 
 @pytest.fixture(scope="module")
@@ -65,104 +66,6 @@ def server(tiny_model_dir, fleet, tmp_path_factory):
 def _created_by(shm: Path, run_dir: Path) -> bool:
     """Shared-memory regions carry no owner; ours are the ones younger than this server's run dir."""
     return shm.stat().st_mtime >= run_dir.stat().st_mtime
-
-
-def generate(server, prompt, sampling=GREEDY, stream=True, **extra):
-    return list(client.generate(prompt, url=server.grpc_url, model=MODEL, sampling=sampling, stream=stream,
-                                extra=extra or None, timeout=60))
-
-
-def generate_concurrently(server, prompts, timeout=120) -> list[str]:
-    """Each prompt's streamed text, all requests in flight at once (one thread and stream each)."""
-    results: dict[int, str] = {}
-    errors = []
-
-    def run(i):
-        try:
-            results[i] = text(generate(server, prompts[i]))
-        except Exception as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not errors, errors
-    return [results[i] for i in range(len(prompts))]
-
-
-def text(responses):
-    return "".join(r.get("text_output", "") for r in responses)
-
-
-def http_post(server, path, body, timeout=60):
-    req = urllib.request.Request(f"http://{server.http_url}/v2/models/{MODEL}/{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def rworker_stats(addresses):
-    import grpc
-
-    from rpart.proto import rworker_pb2, rworker_pb2_grpc
-
-    out = []
-    for a in addresses:
-        with grpc.insecure_channel(a) as ch:
-            out.append(rworker_pb2_grpc.RWorkerStub(ch).Stats(rworker_pb2.StatsRequest(), timeout=5))
-    return out
-
-
-def kv_held(fleet) -> tuple[int, int]:
-    """(KV tokens, sequences) the R-workers hold."""
-    stats = rworker_stats(fleet.addresses)
-    return sum(s.kv_tokens for s in stats), sum(s.sequences for s in stats)
-
-
-def wait_for(condition, timeout: float = 30.0):
-    """Poll until condition() is truthy or the deadline passes; returns its last value."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return value
-
-
-def settled_metrics(server, quiet: float = 1.0, timeout: float = 30.0) -> None:
-    """Wait until the fastdecode_ metrics stay unchanged for `quiet` s (10 metrics intervals): what
-    earlier requests counted has reached the endpoint."""
-    def snapshot():
-        body = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-        return [line for line in body.splitlines() if line.startswith("fastdecode_")]
-
-    deadline = time.monotonic() + timeout
-    last, since = snapshot(), time.monotonic()
-    while time.monotonic() - since < quiet:
-        assert time.monotonic() < deadline, "the metrics did not settle"
-        time.sleep(0.1)
-        now = snapshot()
-        if now != last:
-            last, since = now, time.monotonic()
-
-
-def metric_values(server, name):
-    body = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    return {labels: float(v) for labels, v in re.findall(rf"^{name}\{{(.*?)\}} (\S+)$", body, re.M)}
-
-
-def total(server, name) -> float:
-    return sum(metric_values(server, name).values())
-
-
-def by_label(values: dict, label: str) -> dict:
-    return {re.search(rf'{label}="([^"]+)"', k).group(1): v for k, v in values.items()}
-
-
-STEP_PARTS = ("s_part", "r_part", "s_wait", "r_wait")
 
 
 # ---- happy paths
@@ -289,40 +192,6 @@ def test_metrics_endpoint_shows_custom_metrics(server, fleet):
 
 # ---- bad requests
 
-def raw_stream(server, inputs):
-    """Send these InferInputs; return (responses, error message)."""
-    import tritonclient.grpc as grpcclient
-
-    got: queue.Queue = queue.Queue()
-    c = grpcclient.InferenceServerClient(server.grpc_url)
-    try:
-        c.start_stream(callback=lambda result, error: got.put((result, error)))
-        c.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
-        responses = []
-        while True:
-            result, error = got.get(timeout=30)
-            if error is not None:
-                return responses, str(error)
-            responses.append(result)
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                return responses, None
-    finally:
-        c.stop_stream()
-        c.close()
-
-
-def tensor(name, array, dtype):
-    import tritonclient.grpc as grpcclient
-
-    t = grpcclient.InferInput(name, list(array.shape), dtype)
-    t.set_data_from_numpy(array)
-    return t
-
-
-def bytes_tensor(name, value: bytes):
-    return tensor(name, np.array([value], dtype=np.object_), "BYTES")
-
-
 BAD = {
     "missing text_input": ([tensor("stream", np.array([True]), "BOOL")], "text_input"),
     "malformed JSON": ([bytes_tensor("text_input", b"hi"), bytes_tensor("sampling_parameters", b"{max_tokens: 3")],
@@ -398,17 +267,6 @@ def test_crashed_engine_loop_makes_model_not_ready_then_reload(server):
 
 # ---- clean unload (after the crash drill: unloads the model, then loads it again)
 
-def model_state(c) -> str:
-    index = c.get_model_repository_index(as_json=True).get("models", [])
-    return next((m.get("state", "") for m in index if m["name"] == MODEL), "")
-
-
-def stub_processes(server) -> list[int]:
-    from fastdecode.ops.procs import cmdline, group_members
-
-    return [p for p in group_members(server.proc.pid) if any("triton_python_backend_stub" in a for a in cmdline(p))]
-
-
 def test_unload_after_every_kind_of_request_is_prompt(server, fleet):
     """After streamed, non-streamed, concurrent, HTTP, ensemble, bad and cancelled requests, the
     model unloads at once: finalize() runs and its stub exits (no wait for Triton's timeouts)."""
@@ -460,19 +318,6 @@ def test_unload_after_every_kind_of_request_is_prompt(server, fleet):
 
 # ---- scheduler=sls (last: reloads the model with an SLS config, then with its own again)
 
-def http_json(server, path, body=None, timeout=120):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://{server.http_url}{path}", data=data, headers={"Content-Type": "application/json"},
-                                 method="GET" if data is None else "POST")
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        text = r.read().decode()
-    return json.loads(text) if text else None
-
-
-def load_with_config(server, config: dict) -> None:
-    http_json(server, f"/v2/repository/models/{MODEL}/load", {"parameters": {"config": json.dumps(config)}})
-
-
 def test_sls_scheduler_streams_equal_fcfs_and_report_w_lim(server):
     """The model loaded with parameter scheduler=sls (a W_lim that fits about two of these requests)
     and a trace file: concurrent greedy streams give fcfs's text, SLS keeps its bound, and the step
@@ -516,21 +361,6 @@ def test_sls_scheduler_streams_equal_fcfs_and_report_w_lim(server):
 
 
 # ---- int4 KV (last: reloads the model with kv_format=int4 on the same R-workers, and leaves it so)
-
-def reload_with_config(server, config: dict) -> None:
-    """Unload, then load with `config`: the R-workers hold one KV format at a time, so the model
-    on the old format lets go of them first."""
-    import tritonclient.grpc as grpcclient
-
-    c = grpcclient.InferenceServerClient(server.grpc_url)
-    c.unload_model(MODEL)
-    deadline = time.monotonic() + 60
-    while model_state(c) in ("READY", "UNLOADING") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert model_state(c) == "UNAVAILABLE", model_state(c)
-    load_with_config(server, config)
-    assert c.is_model_ready(MODEL)
-
 
 def test_int4_kv_model_answers_the_contract(server, fleet, tiny_model_dir):
     """Loaded with kv_format=int4 (KV on the R-workers in int4): streamed, non-streamed and HTTP

@@ -30,8 +30,10 @@ CXX = os.environ.get("CXX", "g++")
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-O1", "-g"]
 # What setup.py gives the kernel, less -O3 (see csrc/ and setup.py).
 FLAGS = ["-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-fno-math-errno", "-Wall"]
-TESTS = ["tests/test_kernel.py", "tests/test_kernel_groups.py", "tests/test_fuzz_kvstore.py",
-         "tests/test_fuzz_rworker.py", "tests/test_rworker_server.py"]
+TESTS = ["tests/test_kernel.py", "tests/test_kernel_int4.py", "tests/test_kernel_threads.py", "tests/test_kernel_errors.py",
+         "tests/test_kernel_groups.py", "tests/test_fuzz_kvstore.py",
+         "tests/test_fuzz_rworker.py", "tests/test_fuzz_rworker_shapes.py", "tests/test_fuzz_rworker_wire.py",
+         "tests/test_rworker_server.py"]
 
 
 def module_path() -> Path:
