@@ -1,7 +1,7 @@
 """Triton adapters shared by the model.py files of model_repository/.
 
 Everything here but `pb_model.py` is plain Python, importable and tested without Triton
-(tests/test_python_backend.py):
+(tests/test_python_backend*.py):
 
     request.py   Triton inputs (Triton vLLM backend contract) -> GenerateRequest
     response.py  engine RequestOutput -> output tensors (text deltas, finish reason, token counts)
