@@ -174,7 +174,7 @@ def test_random_shapes_and_call_sequences(shape, data):
 
 
 @FUZZ
-@given(layers=st.integers(-(1 << 31), (1 << 31) - 1) | st.sampled_from([0, 1, 4096]),
+@given(layers=st.integers(-(1 << 31), (1 << 31) - 1) | st.sampled_from([0, 1, 4096, 4097]),
        heads=st.integers(-(1 << 31), (1 << 31) - 1) | st.sampled_from([0, 1, 4096, 4097]),
        head_dim=st.integers(-(1 << 31), (1 << 31) - 1) | st.sampled_from([0, 1, 16, 48, 4096, 4097]),
        block_size=st.integers(-(1 << 31), (1 << 31) - 1) | st.sampled_from([0, 1, 16, 4096, 4097]),
@@ -196,7 +196,8 @@ def test_construction_over_int32_is_a_store_or_a_value_error(layers, heads, head
         return
     try:
         s = store.stats()
-        assert 1 <= layers <= 4096 and 1 <= heads <= 4096 and 1 <= head_dim <= 4096 and 1 <= block_size <= 4096
+        # the store caps heads, head_dim and block size; layers only the R-worker's Configure caps
+        assert layers >= 1 and 1 <= heads <= 4096 and 1 <= head_dim <= 4096 and 1 <= block_size <= 4096
         assert store.block_bytes > 0 and s["blocks_total"] >= 1
         assert s["blocks_total"] * store.block_bytes <= capacity
     finally:
