@@ -5,7 +5,6 @@ throughout. (The in-process fuzzing of its validation layer is test_fuzz_rworker
 """
 from __future__ import annotations
 
-import queue
 import time
 
 import grpc
@@ -20,6 +19,7 @@ from rpart.proto import rworker_pb2_grpc as pb_grpc
 from fastdecode.ops.testing import local_fleet
 
 from test_fuzz_rworker import C, LAYERS, HKV, D, call_ids, status
+from test_rworker_server import RawClient
 
 
 # ---- a live R-worker: bytes off the wire
@@ -36,27 +36,6 @@ def worker(tmp_path_factory):
     with local_fleet(1, tmp_path_factory.mktemp("fuzz_rw"), kv_capacity="4M",
                      extra_args=("--max-message-size", "1M", "--max-sequences", "64")) as fleet:
         yield fleet.addresses[0]
-
-
-class Client:
-    """One Session stream of whole Requests; call() waits for the reply to the one it sent."""
-
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address)
-        self.requests: queue.SimpleQueue = queue.SimpleQueue()
-        self.replies = pb_grpc.RWorkerStub(self.channel).Session(iter(self.requests.get, None))
-        self.next_id = 0
-
-    def call(self, **op) -> pb.Reply:
-        self.next_id += 1
-        self.requests.put(pb.Request(call_id=self.next_id, **op))
-        reply = next(self.replies)
-        assert reply.call_id == self.next_id
-        return reply
-
-    def close(self) -> None:
-        self.requests.put(None)
-        self.channel.close()
 
 
 def valid_requests(rng) -> list[bytes]:
@@ -130,7 +109,7 @@ def stats(address: str) -> pb.StatsReply:
         return pb_grpc.RWorkerStub(ch).Stats(pb.StatsRequest(), timeout=10)
 
 
-def bystander_decodes_correctly(client: Client, ks, vs, rng) -> None:
+def bystander_decodes_correctly(client: RawClient, ks, vs, rng) -> None:
     q = rng.standard_normal((1, 2 * HKV, D)).astype(np.float32)
     kv = rng.standard_normal((2, 1, HKV, D)).astype(np.float16)
     t = lambda x: pb.Tensor(data=x.tobytes(), shape=x.shape, dtype=x.dtype.name)  # noqa: E731
@@ -144,7 +123,7 @@ def bystander_decodes_correctly(client: Client, ks, vs, rng) -> None:
 
 def test_random_bytes_end_only_their_stream_and_the_worker_keeps_serving(worker):
     rng = np.random.default_rng(11)
-    bystander = Client(worker)
+    bystander = RawClient(worker, configure=False)
     assert bystander.call(configure=pb.Configure(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D,
                                                  kv_format="fp16")).code == 0
     assert bystander.call(open=pb.Open(seq_ids=[9])).code == 0
