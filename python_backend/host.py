@@ -47,6 +47,7 @@ class Live:
     choice: int = 0
     siblings: list["Live"] | None = None      # all n choices of the Triton request, when n > 1
     first_token: float | None = None
+    accepted: bool = False    # every choice is in the engine; until then submit() may still refuse it
     cancelled: bool = False
     done: bool = False
 
@@ -121,6 +122,8 @@ class EngineHost:
                     self._abort(other)
                 self._send_error(sender, map_exception(e))
                 return None
+        for live in lives:
+            live.accepted = True
         return request_id
 
     def _check_max_tokens(self, sampling: dict) -> None:
@@ -224,9 +227,12 @@ class EngineHost:
     def _poll_cancelled(self) -> None:
         """Ask Triton about at most `cancel_poll_batch` live requests per tick, round robin: each
         question is an IPC round trip, and 128 streams polled every 100 ms would cost more CPU
-        than the answers are worth (a cancelled request is then seen within N/batch ticks)."""
+        than the answers are worth (a cancelled request is then seen within N/batch ticks).
+        Only accepted requests: submit() may still refuse one on its own thread, and Triton frees
+        a request's response factory with its final response, so asking about it then would
+        read freed memory (tritonserver segfaults in TRITONBACKEND_ResponseFactoryIsCancelled)."""
         with self._lock:
-            candidates = [live for live in self._live.values() if not live.cancelled]
+            candidates = [live for live in self._live.values() if live.accepted and not live.cancelled]
         if not candidates:
             return
         start = self._poll_cursor % len(candidates)

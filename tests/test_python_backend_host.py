@@ -2,6 +2,7 @@
 one final response per request, errors, overload, cancellation, failed sends, engine crashes, shutdown."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from python_backend.errors import CANCELLED, INVALID_ARG, UNAVAILABLE
 from python_backend.host import EngineHost, install_step_fault
 
-from test_python_backend import FakeEngine, make_params, FakeTransport, inputs, text_of
+from test_python_backend import FakeEngine, FakeTransport, InvalidRequestError, inputs, make_params, text_of
 
 
 @pytest.fixture
@@ -147,5 +148,47 @@ def test_cancellation_polling_is_bounded_and_round_robin():
         t.cancelled.add(5)
         t.wait_final(5)
         assert t.sent[5][-1][1].code == CANCELLED
+    finally:
+        h.shutdown()
+
+
+def test_a_request_refused_by_the_engine_is_never_asked_about_after_its_final():
+    """Triton frees a request's response factory with its final response: asking whether it was
+    cancelled after that reads freed memory (tritonserver segfaulted so in a soak). The poller
+    asks while the engine refuses the request on execute()'s thread, the refusal's final goes
+    out, then the poller's question reaches 'Triton'."""
+    asked, finalized, after_final = threading.Event(), threading.Event(), []
+
+    class SlowRefusal(FakeEngine):
+        def add_request(self, prompt, params, request_id=None, on_output=None):
+            if prompt == "refuse me":
+                asked.wait(0.3)           # the poller's turn, when it would ask about this request
+                raise InvalidRequestError("refused")
+            return super().add_request(prompt, params, request_id, on_output)
+
+    class Transport(FakeTransport):
+        def send(self, sender, outputs, error, final):
+            super().send(sender, outputs, error, final)
+            if final and sender == "r":
+                finalized.set()
+
+        def is_cancelled(self, sender):
+            if sender == "r":
+                asked.set()
+                finalized.wait(0.3)       # the IPC round trip, while execute() answers the refusal
+                if "r" in self.sent:
+                    after_final.append(sender)
+            return super().is_cancelled(sender)
+
+    engine, t = SlowRefusal(), Transport()
+    h = EngineHost(engine, t, make_params=make_params, cancel_poll_s=0.001)
+    engine.start()
+    try:
+        assert h.submit("r", inputs(text_input="refuse me"), None) is None
+        (_, error, final), = t.wait_final("r")
+        assert final and error.code == INVALID_ARG and "refused" in error.message
+        h.submit("ok", inputs(text_input="x"), None)
+        t.wait_final("ok")                # the poller has run many ticks since
+        assert after_final == []
     finally:
         h.shutdown()
