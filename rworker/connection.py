@@ -29,6 +29,9 @@ class CallError(Exception):
         self.code = code
 
 
+_MAX_ARRAY_BYTES = (1 << 63) - 1
+
+
 def tensor_to_numpy(t: pb.Tensor, name: str) -> np.ndarray:
     """Zero-copy view of a wire tensor; INVALID_ARGUMENT when it is malformed."""
     dtype = WIRE_DTYPES.get(t.dtype)
@@ -41,7 +44,11 @@ def tensor_to_numpy(t: pb.Tensor, name: str) -> np.ndarray:
                         f"{name}: shape {shape} has {len(shape)} dimensions (at most {MAX_TENSOR_RANK})")
     if any(n < 0 for n in shape):
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: negative dimension in shape {shape}")
-    expected = math.prod(shape) * np.dtype(dtype).itemsize   # Python ints: an int64 product wraps around
+    itemsize = np.dtype(dtype).itemsize
+    if math.prod(n for n in shape if n) * itemsize > _MAX_ARRAY_BYTES:   # numpy's limit, zeros aside
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{name}: shape {shape} is too large for an array (over 2**63 bytes without its zeros)")
+    expected = math.prod(shape) * itemsize   # Python ints: an int64 product wraps around
     data = t.data                            # each access of a bytes field copies it: once only
     if len(data) != expected:
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT,

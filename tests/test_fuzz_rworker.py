@@ -91,6 +91,8 @@ def tensor_faults(t: pb.Tensor, name: str, want: tuple | None) -> tuple[list[Fau
     shape = tuple(t.shape)
     if any(n < 0 for n in shape):
         return [Fault(C.INVALID_ARGUMENT, rf"^{name}: negative dimension")], None
+    if math.prod(n for n in shape if n) * itemsize >= 1 << 63:    # numpy cannot shape an array so
+        return [Fault(C.INVALID_ARGUMENT, rf"^{name}: shape .* is too large")], None
     if math.prod(shape) * itemsize != len(t.data):
         return [Fault(C.INVALID_ARGUMENT, rf"^{name}: {len(t.data)} bytes for shape")], None
     if want is not None and shape != want:

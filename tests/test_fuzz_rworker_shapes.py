@@ -3,7 +3,6 @@ or that have too many dimensions, and Configure over the whole int32 range of KV
 oracle (Fault, check_answer, Side) is test_fuzz_rworker.py's."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -21,19 +20,21 @@ from test_fuzz_rworker import C, FUZZ, Fault, check_answer, Side
 @pytest.mark.parametrize("shape, data", [
     ((1 << 59, 2, 16), b""),                        # 2**64 elements: the int64 count wrapped to 0 bytes expected
     (((1 << 59) + 1, 2, 16), bytes(64)),            # wrapped to the 32 elements sent
-], ids=["wraps to 0", "wraps to the bytes sent"])
-def test_a_wire_shape_whose_element_count_wraps_int64_is_refused_by_its_byte_count(shape, data):
-    """Found by the fuzzing above: the int64 product of such a shape wrapped around, passed the byte
-    count check, and the call was refused only by numpy's reshape, with numpy's words."""
-    with pytest.raises(CallError, match=rf"^k: {len(data)} bytes for shape .* \(expected {math.prod(shape) * 2}\)"):
+    ((0, 1 << 58, 16), b""),                        # no elements, but 2**63 bytes without the zero
+    ((0, (1 << 63) - 1, 16), b""),
+], ids=["wraps to 0", "wraps to the bytes sent", "zero rows, 2**63 bytes", "zero rows, int64 max"])
+def test_a_wire_shape_too_large_for_an_array_is_refused_naming_it(shape, data):
+    """Found by the fuzzing above: the int64 product of such a shape wrapped around and passed the
+    byte count check, or had a zero in it; numpy's reshape then refused it, in numpy's words."""
+    with pytest.raises(CallError, match=r"^k: shape \(.*\) is too large for an array"):
         tensor_to_numpy(pb.Tensor(data=data, shape=shape, dtype="float16"), "k")
+    ok = tensor_to_numpy(pb.Tensor(data=b"", shape=(0, (1 << 62) - 1), dtype="float16"), "k")   # just fits
+    assert ok.shape == (0, (1 << 62) - 1)
 
 
 def test_a_wire_shape_of_many_dimensions_is_refused_naming_it():
     with pytest.raises(CallError, match=r"^v: shape \(1, 1, .*\) has 40 dimensions"):
         tensor_to_numpy(pb.Tensor(data=bytes(4), shape=[1] * 40, dtype="float32"), "v")
-    with pytest.raises(CallError, match=r"^q: shape \(0, 9223372036854775807, 16\) unusable"):
-        tensor_to_numpy(pb.Tensor(data=b"", shape=(0, (1 << 63) - 1, 16), dtype="float32"), "q")
 
 
 CONFIGURE_EDGES = st.sampled_from([-(1 << 31), -1, 0, 1, 2, 3, 16, 64, 1024, 1025, 4096, 4097, (1 << 31) - 1])
