@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from fastdecode.ops.fleet import FleetError, LocalFleet, health
-from fastdecode.ops.procs import free_port
+from fastdecode.ops.procs import free_port, port_free
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = dict(kv_capacity="16M", threads=1)
@@ -219,3 +219,20 @@ def _free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def test_port_free_sees_a_listener_but_not_time_wait():
+    """A restart on a killed worker's port must not be refused for its connections in TIME_WAIT
+    (a chaos run failed so); a port something listens on is still in use."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert not port_free("127.0.0.1", port)
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = listener.accept()
+        conn.close()                  # the server side closes first: its end goes to TIME_WAIT
+        client.recv(1)
+        client.close()
+    assert port_free("127.0.0.1", port)

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from fastdecode.attention.base import AttentionError, KVSpec
+from fastdecode.attention.base import AttentionError, KVSpec, SequencesLost
 from fastdecode.attention.remote.backend import RemoteAttention
 from fastdecode.attention.torch_ref import TorchAttention
 from fastdecode.config import EngineConfig
@@ -316,5 +316,41 @@ def test_a_prefill_error_beside_a_lost_worker_is_not_dropped(fleet, monkeypatch)
         monkeypatch.setattr(remote_mod.WorkerConnection, "send", faulty)
         with pytest.raises(ValueError, match="test: bad k"):
             backend.prefill(0, [1, 2], [1, 1], torch.zeros(2, 2, 16), torch.zeros(2, 2, 16))
+    finally:
+        backend.shutdown()
+
+
+def test_prefill_beside_a_lost_sequence_still_stores_the_others(fleet):
+    """A batch prefill with one sequence lost (its worker died between layers) raises
+    SequencesLost for it alone and still stores every layer of the others' KV. It used to raise
+    before sending anything, so the survivors decoded on with a layer of their prompt missing."""
+    spec = KVSpec(2, 4, 2, 16)
+    backend = remote(spec, fleet.addresses[:2])
+    ref = TorchAttention(spec)
+    gen = torch.Generator().manual_seed(3)
+    try:
+        backend.open([1, 2])
+        ref.open([1])
+        g2 = backend.placement[2]
+        assert backend.placement[1] is not g2
+        for layer in range(spec.num_layers):
+            k = fp16(torch.randn(6, spec.num_kv_heads, spec.head_dim, generator=gen))
+            v = fp16(torch.randn(6, spec.num_kv_heads, spec.head_dim, generator=gen))
+            if layer == 1:                                   # as a stream break leaves it
+                backend._worker_down(g2.workers[0], "test: worker gone")
+            if layer == 0:
+                backend.prefill(layer, [1, 2], [3, 3], k, v)
+            else:
+                with pytest.raises(SequencesLost) as e:
+                    backend.prefill(layer, [1, 2], [3, 3], k, v)
+                assert e.value.seq_ids == [2]
+            ref.prefill(layer, [1], [3], k[:3], v[:3])
+        assert backend.stats()["kv_tokens"] == 3
+        for layer in range(spec.num_layers):
+            q = torch.randn(1, spec.num_heads, spec.head_dim, generator=gen)
+            k = fp16(torch.randn(1, spec.num_kv_heads, spec.head_dim, generator=gen))
+            v = fp16(torch.randn(1, spec.num_kv_heads, spec.head_dim, generator=gen))
+            got = backend.submit_decode(layer, [1], q, k, v).result(timeout=30)
+            assert (got - ref.decode(layer, [1], q, k, v)).abs().max().item() < 1e-5, layer
     finally:
         backend.shutdown()

@@ -24,7 +24,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_free(host: str, port: int) -> bool:
+    """Nothing listens on host:port. Connections of a killed listener left in TIME_WAIT do not
+    count: the servers we start bind with SO_REUSEADDR too."""
     with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -132,9 +132,8 @@ class RemoteAttention(Placement, AttentionBackend):
         if tuple(k.shape) != want or tuple(v.shape) != want:
             raise ValueError(f"prefill: k {tuple(k.shape)}, v {tuple(v.shape)}, expected {want}")
         parts, lost_rows = self._plan(seq_ids)
-        if len(lost_rows):
-            ids = [seq_ids[i] for i in lost_rows]
-            raise SequencesLost(ids, self.lost_reason.get(ids[0], "lost"))
+        lost = [seq_ids[i] for i in lost_rows]       # the others' KV is stored all the same
+        reason = self.lost_reason.get(lost[0], "lost") if lost else ""
         kn, vn = kv_wire(k, self.kv_format), kv_wire(v, self.kv_format)
         starts = np.concatenate([[0], np.cumsum(lens)])
         token_bytes = max(1, kn[0].nbytes * 2 // len(self.kv_heads)) if len(kn) else 1
@@ -145,7 +144,7 @@ class RemoteAttention(Placement, AttentionBackend):
                     req = pb.Request(prefill=pb.Prefill(layer=layer, seq_ids=chunk_ids, lens=chunk_lens,
                                                         k=to_tensor(kn[tok, hk]), v=to_tensor(vn[tok, hk])))
                     calls.append((g, w, chunk_ids, w.send(req)))
-        lost, error, refused = [], None, []
+        error, refused = None, []
         for g, w, ids, fut in calls:
             try:
                 reply = fut.result(timeout=self.timeout + 1.0)
@@ -160,12 +159,6 @@ class RemoteAttention(Placement, AttentionBackend):
                 lost.extend(ids)
         if error is not None:            # fails the call, whatever else went wrong in it
             raise error
-        if refused:                      # lost ones with them: the engine recomputes both alike
-            ids = list(dict.fromkeys([s for r, _ in refused for s in r] + lost))
-            raise KVCapacityError(refused[0][1], ids)
-        if lost:
-            lost = list(dict.fromkeys(lost))
-            raise SequencesLost(lost, self.lost_reason.get(lost[0], "R-worker lost"))
         if layer == 0:
             with self.lock:
                 for s, n in zip(seq_ids, lens):
@@ -173,6 +166,12 @@ class RemoteAttention(Placement, AttentionBackend):
                     if g is not None:
                         self.seq_tokens[s] += n
                         g.tokens += n
+        if refused:                      # lost ones with them: the engine recomputes both alike
+            ids = list(dict.fromkeys([s for r, _ in refused for s in r] + lost))
+            raise KVCapacityError(refused[0][1], ids)
+        if lost:
+            lost = list(dict.fromkeys(lost))
+            raise SequencesLost(lost, reason or self.lost_reason.get(lost[0], "R-worker lost"))
 
     def _account(self, wall_s: float, kernel_s: float, handler_s: float) -> None:
         with self.lock:
