@@ -308,42 +308,55 @@ class OpenAIPeer:
 
 
 class EnginePeer:
+    """A fresh Engine per run, stopped after it: its loop thread's OpenMP pool must not outlive the
+    run, or the HF peer in this process would run beside it with more OpenMP threads than cores
+    (see fastdecode.engine.engine.on_a_thread_of_its_own)."""
     name = "engine"
 
     def __init__(self, config) -> None:
-        from fastdecode.engine import Engine
-
-        self.engine = Engine(config)
-        self.engine.start()
-        self.info = {"config": "the same EngineConfig in-process", "dtype": config.model_dtype}
+        self.config = config
+        self.info = {"config": "the same EngineConfig in-process, a fresh Engine per run",
+                     "dtype": config.model_dtype}
 
     def run(self, work, seq_len):
-        return run_engine(self.engine, work, seq_len)
+        from fastdecode.engine import Engine
+
+        engine = Engine(self.config)
+        engine.start()
+        try:
+            return run_engine(engine, work, seq_len)
+        finally:
+            engine.stop()
 
     def close(self):
-        self.engine.stop()
+        pass
 
 
 class HFPeer:
+    """transformers generate(); loading and every run on a thread that ends with it, so that this
+    process's main thread never holds an OpenMP pool (the engine peer's runs go alike)."""
     name = "hf"
 
     def __init__(self, model_dir: str, dtype: str, probe_work) -> None:
         import torch
 
+        from fastdecode.engine.engine import on_a_thread_of_its_own
+
+        self.on_thread = on_a_thread_of_its_own
         torch.set_num_threads(len(os.sched_getaffinity(0)))
         probe = {}
         if not dtype:
             for dt in ("float32", "bfloat16"):
-                model, tok = hf_model(model_dir, dt)
-                run_hf(model, tok, probe_work[:2], 0)
-                probe[dt] = run_hf(model, tok, probe_work, 0)["tokens_per_s"]
+                model, tok = self.on_thread(hf_model, model_dir, dt)
+                self.on_thread(run_hf, model, tok, probe_work[:2], 0)
+                probe[dt] = self.on_thread(run_hf, model, tok, probe_work, 0)["tokens_per_s"]
                 del model
             dtype = max(probe, key=probe.get)
-        self.model, self.tok = hf_model(model_dir, dtype)
+        self.model, self.tok = self.on_thread(hf_model, model_dir, dtype)
         self.info = {"dtype": dtype, "probe_b32_tokens_per_s": probe, "threads": torch.get_num_threads()}
 
     def run(self, work, seq_len):
-        return run_hf(self.model, self.tok, work, seq_len)
+        return self.on_thread(run_hf, self.model, self.tok, work, seq_len)
 
     def close(self):
         del self.model

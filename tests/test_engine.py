@@ -376,3 +376,35 @@ def test_two_minibatches_ping_pong(tiny_model_dir):
         expected += [("wait", i - 1, a), ("submit", i, a), ("wait", i - 1, b), ("submit", i, b)]
     expected += [("wait", layers - 1, a), ("wait", layers - 1, b)]
     assert rec.events == expected      # B's attention is in flight while A's S-Part runs, and back
+
+
+def test_on_a_thread_of_its_own_returns_raises_and_leaves_no_openmp_pool(tmp_path):
+    """The engine loads its model on a thread that ends (fastdecode.engine.engine): a thread that
+    ran a parallel torch op keeps an OpenMP pool, and two pools on all the cores made every op of
+    the engine's loop wait for a sleeping worker. Checked in a fresh process: a pool left on the
+    calling thread shows as OpenMP worker threads that stay after the call."""
+    import subprocess
+    import sys
+
+    from fastdecode.engine.engine import on_a_thread_of_its_own
+
+    assert on_a_thread_of_its_own(lambda a, b: (a + b, threading.current_thread().name), 1, 2) == \
+        (3, "fastdecode-load")
+    with pytest.raises(ZeroDivisionError):
+        on_a_thread_of_its_own(lambda: 1 / 0)
+    script = """
+import os, threading, torch
+from fastdecode.engine.engine import on_a_thread_of_its_own
+torch.set_num_threads(2)
+work = lambda: (torch.randn(512, 512) @ torch.randn(512, 512)).sum()
+threads = lambda: len(os.listdir("/proc/self/task"))
+before = threads()
+on_a_thread_of_its_own(work)
+after_thread = threads()
+work()
+print(before, after_thread, threads())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    before, after_thread, after_main = map(int, out.stdout.split())
+    assert after_thread == before, out.stdout
+    assert after_main > before, out.stdout      # the same work on the calling thread leaves its pool

@@ -32,16 +32,42 @@ from fastdecode.scheduler import Candidate, create_scheduler
 log = logging.getLogger("fastdecode.engine")
 
 
+def on_a_thread_of_its_own(fn: Callable, *args):
+    """fn(*args) on a thread that ends when it returns; its result, or its exception raised here.
+
+    torch's CPU ops run on OpenMP (libgomp), which keeps a pool of worker threads for every
+    thread that ran a parallel op. Once the pools hold more threads than there are cores, the
+    workers stop spinning between ops and sleep, and every op pays a wake-up: a decode step on
+    the engine's loop thread took twice as long (27 ms -> 55 ms at batch 1 on 2 cores) when the
+    thread that built the engine (Triton's main thread) had loaded the model. A thread that
+    ends takes its pool with it."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append((True, fn(*args)))
+        except BaseException as e:  # noqa: BLE001 -- re-raised on the caller's thread
+            result.append((False, e))
+    t = threading.Thread(target=run, name="fastdecode-load")
+    t.start()
+    t.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.device = config.torch_device
         self.config = config
-        loaded = load_model(config.model, config.model_dtype, self.device, config.max_model_len)
+        loaded = on_a_thread_of_its_own(load_model, config.model, config.model_dtype, self.device,
+                                        config.max_model_len)
         self.model, self.tokenizer, self.args = loaded.model, loaded.tokenizer, loaded.args
         self.max_model_len = loaded.max_model_len
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.spec = KVSpec(self.args.num_layers, self.args.num_heads, self.args.num_kv_heads, self.args.head_dim)
-        self.backend = create_backend(config, self.spec)
+        self.backend = on_a_thread_of_its_own(create_backend, config, self.spec)
         self.scheduler = create_scheduler(config)
         self.runner = ModelRunner(self.model, self.backend, self.device, config.num_minibatches)
 
