@@ -393,15 +393,19 @@ def test_on_a_thread_of_its_own_returns_raises_and_leaves_no_openmp_pool(tmp_pat
     with pytest.raises(ZeroDivisionError):
         on_a_thread_of_its_own(lambda: 1 / 0)
     script = """
-import os, threading, torch
+import os, threading, time, torch
 from fastdecode.engine.engine import on_a_thread_of_its_own
 torch.set_num_threads(2)
 work = lambda: (torch.randn(512, 512) @ torch.randn(512, 512)).sum()
 threads = lambda: len(os.listdir("/proc/self/task"))
 before = threads()
 on_a_thread_of_its_own(work)
+deadline = time.monotonic() + 30          # the ended pool's workers exit on their own time
+while threads() > before and time.monotonic() < deadline:
+    time.sleep(0.05)
 after_thread = threads()
 work()
+time.sleep(0.5)
 print(before, after_thread, threads())
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
