@@ -133,7 +133,6 @@ class RemoteAttention(Placement, AttentionBackend):
             raise ValueError(f"prefill: k {tuple(k.shape)}, v {tuple(v.shape)}, expected {want}")
         parts, lost_rows = self._plan(seq_ids)
         lost = [seq_ids[i] for i in lost_rows]       # the others' KV is stored all the same
-        reason = self.lost_reason.get(lost[0], "lost") if lost else ""
         kn, vn = kv_wire(k, self.kv_format), kv_wire(v, self.kv_format)
         starts = np.concatenate([[0], np.cumsum(lens)])
         token_bytes = max(1, kn[0].nbytes * 2 // len(self.kv_heads)) if len(kn) else 1
@@ -171,7 +170,7 @@ class RemoteAttention(Placement, AttentionBackend):
             raise KVCapacityError(refused[0][1], ids)
         if lost:
             lost = list(dict.fromkeys(lost))
-            raise SequencesLost(lost, reason or self.lost_reason.get(lost[0], "R-worker lost"))
+            raise SequencesLost(lost, self.lost_reason.get(lost[0], "R-worker lost"))
 
     def _account(self, wall_s: float, kernel_s: float, handler_s: float) -> None:
         with self.lock:
