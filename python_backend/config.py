@@ -11,6 +11,8 @@ Host options (not EngineConfig fields):
                            defaults under config.pbtxt's values, above FASTDECODE_* variables
     cancel_poll_ms         how often the host asks Triton whether a request was cancelled (100)
     metrics_interval_ms    how often metrics are pushed to Triton (1000)
+    send_threads           threads that send responses to Triton, several in flight (8; 1 = one
+                           at a time; each request's responses stay in order on one of them)
     fault_step_error_file  TEST ONLY: while this file exists, engine.step raises (crash drill)
 """
 from __future__ import annotations
@@ -20,13 +22,15 @@ from pathlib import Path
 
 from fastdecode.config import REPO_ROOT, EngineConfig, config_from_settings, resolve_path
 
-HOST_KEYS = ("plan", "cancel_poll_ms", "metrics_interval_ms", "fault_step_error_file")
+HOST_KEYS = ("plan", "cancel_poll_ms", "metrics_interval_ms", "send_threads", "fault_step_error_file")
+MAX_SEND_THREADS = 64
 
 
 @dataclass(frozen=True)
 class HostOptions:
     cancel_poll_s: float = 0.1
     metrics_interval_s: float = 1.0
+    send_threads: int = 8
     fault_step_error_file: str = ""
 
 
@@ -50,6 +54,7 @@ def build_configs(params: dict[str, str], root: Path = REPO_ROOT) -> tuple[Engin
     fault = params.get("fault_step_error_file", "")
     host = HostOptions(cancel_poll_s=_millis(params, "cancel_poll_ms", 100),
                        metrics_interval_s=_millis(params, "metrics_interval_ms", 1000),
+                       send_threads=_send_threads(params),
                        fault_step_error_file=resolve_path(fault, root) if fault else "")
     return engine, host
 
@@ -62,3 +67,15 @@ def _millis(params: dict, key: str, default: int) -> float:
     if value <= 0:
         raise ValueError(f"model parameter {key} must be > 0")
     return value / 1000.0
+
+
+def _send_threads(params: dict) -> int:
+    text = params.get("send_threads", str(HostOptions.send_threads))
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_SEND_THREADS:
+        raise ValueError(f"model parameter send_threads must be a whole number in [1, {MAX_SEND_THREADS}], "
+                         f"got {text!r}")
+    return value

@@ -3,8 +3,13 @@
 execute() calls `submit()` per request: it parses and validates the request, registers it and
 hands it to the engine (engine.add_request validates too) -- or answers at once with an error.
 It never waits for tokens. The engine's background loop calls `on_output` for every
-RequestOutput; a single sender thread turns them into responses and sends them (the last one
-with the FINAL flag), so the engine loop never blocks on Triton. The same thread polls each
+RequestOutput; a sender thread turns them into responses and sends them (the last one with the
+FINAL flag), so the engine loop never blocks on Triton. A decoupled send is a synchronous round
+trip to the Triton server process; with one send in flight at a time, every response wakes the
+server's threads on its own, and on a machine whose cores the engine keeps busy each wake-up
+takes one from the engine. So the sender hands the outputs it drained to `send_threads` threads,
+each request always to the same one (its responses stay in order), and waits for them before it
+drains again; the server then takes several responses per wake-up. The sender thread polls each
 live request's `is_cancelled()` (the client cancelled its gRPC stream) and aborts it in the
 engine, which frees its KV at once; pushes metrics; and watches `engine.healthy`: once the
 engine loop has crashed, every live request ends with an error, new ones are refused, and the
@@ -20,6 +25,7 @@ import queue
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol
 
@@ -46,6 +52,7 @@ class Live:
     arrival: float
     choice: int = 0
     siblings: list["Live"] | None = None      # all n choices of the Triton request, when n > 1
+    lane: int = 0             # the send thread of the Triton request (its choices share it)
     first_token: float | None = None
     accepted: bool = False    # every choice is in the engine; until then submit() may still refuse it
     cancelled: bool = False
@@ -58,7 +65,8 @@ _STOP = object()
 class EngineHost:
     def __init__(self, engine, transport: Transport, metrics: Metrics | None = None, *,
                  make_params: Callable[[dict], Any] | None = None, cancel_poll_s: float = 0.1,
-                 metrics_interval_s: float = 1.0, crash_grace_s: float = 1.0, cancel_poll_batch: int = 32):
+                 metrics_interval_s: float = 1.0, crash_grace_s: float = 1.0, cancel_poll_batch: int = 32,
+                 send_threads: int = 8):
         self.engine = engine
         self.transport = transport
         self.metrics = metrics
@@ -71,6 +79,10 @@ class EngineHost:
         self.healthy = True
         self.crash_reason = ""
         self._ids = itertools.count()
+        self.send_threads = max(1, send_threads)
+        self._lanes = ThreadPoolExecutor(self.send_threads - 1, thread_name_prefix="fastdecode-send") \
+            if self.send_threads > 1 else None
+        self._metrics_lock = threading.Lock()
         self._prefix = f"t{os.getpid()}-"
         self._live: dict[str, Live] = {}
         self._lock = threading.Lock()
@@ -101,10 +113,11 @@ class EngineHost:
         except Exception as e:
             self._send_error(sender, map_exception(e))
             return None
-        request_id = f"{self._prefix}{next(self._ids)}"
-        builder, now = ResponseBuilder(request), time.monotonic()
-        lives = [Live(request_id if request.n == 1 else f"{request_id}.{i}", sender, request, builder, now, i)
-                 for i in range(request.n)]
+        number = next(self._ids)
+        request_id = f"{self._prefix}{number}"
+        builder, now, lane = ResponseBuilder(request), time.monotonic(), number % self.send_threads
+        lives = [Live(request_id if request.n == 1 else f"{request_id}.{i}", sender, request, builder, now, i,
+                      lane=lane) for i in range(request.n)]
         if request.n > 1:
             for live in lives:
                 live.siblings = lives
@@ -168,7 +181,24 @@ class EngineHost:
                 next_flush = now + self.metrics_interval_s
 
     def _handle_all(self, batch: list) -> None:
-        for out in coalesce(batch):
+        lanes: dict[int, list] = {}
+        with self._lock:
+            for out in coalesce(batch):
+                live = self._live.get(out.request_id)
+                if live is not None:
+                    lanes.setdefault(live.lane, []).append(out)
+        groups = list(lanes.values())
+        if self._lanes is None or len(groups) < 2:
+            for group in groups:
+                self._handle_lane(group)
+            return
+        others = [self._lanes.submit(self._handle_lane, group) for group in groups[1:]]
+        self._handle_lane(groups[0])
+        for future in others:
+            future.result()
+
+    def _handle_lane(self, outs: list) -> None:
+        for out in outs:
             try:
                 self._handle(out)
             except Exception:
@@ -183,15 +213,18 @@ class EngineHost:
         if live.first_token is None and (out.token_ids or out.finished):
             live.first_token = now
             if self.metrics is not None and out.token_ids:
-                self.metrics.first_token(now - live.arrival, out.num_prompt_tokens)
+                with self._metrics_lock:
+                    self.metrics.first_token(now - live.arrival, out.num_prompt_tokens)
         if self.metrics is not None:
-            self.metrics.tokens(len(out.token_ids))
+            with self._metrics_lock:
+                self.metrics.tokens(len(out.token_ids))
         outputs, error = live.builder.on_output(out, live.choice)
         final = live.builder.done
         if out.finished:
             self._finish(live)
             if self.metrics is not None:
-                self.metrics.request_finished(out.finish_reason, now - live.first_token, out.num_output_tokens)
+                with self._metrics_lock:
+                    self.metrics.request_finished(out.finish_reason, now - live.first_token, out.num_output_tokens)
         if error is not None and live.siblings:       # one choice failed: the request ends with it
             for other in live.siblings:
                 if not other.done:
@@ -276,13 +309,15 @@ class EngineHost:
             for other in live.siblings or [live]:
                 other.sender = None
             if self.metrics is not None:
-                self.metrics.request_finished("error", None, 0)
+                with self._metrics_lock:
+                    self.metrics.request_finished("error", None, 0)
 
     def _flush_metrics(self) -> None:
         if self.metrics is None:
             return
         try:
-            self.metrics.flush(self.engine.stats(), engine_trace(self.engine))
+            with self._metrics_lock:
+                self.metrics.flush(self.engine.stats(), engine_trace(self.engine))
         except Exception as e:
             self.transport.log("warn", f"fastdecode: metrics update failed: {e}")
 
@@ -305,6 +340,8 @@ class EngineHost:
             self.transport.log("warn", f"fastdecode: engine.stop failed: {e}")
         self._outputs.put(_STOP)
         self._thread.join(timeout)
+        if self._lanes is not None:
+            self._lanes.shutdown(wait=not self._thread.is_alive())
         self._fail_all(ErrorInfo("model is unloading", UNAVAILABLE))
 
 

@@ -30,6 +30,10 @@ def test_build_configs_resolves_paths_and_rejects_unknown(tmp_path):
         build_configs({"max_running": "many"})
     with pytest.raises(ValueError, match="cancel_poll_ms"):
         build_configs({"cancel_poll_ms": "-1"})
+    assert host.send_threads == 8 and build_configs({"send_threads": "3"})[1].send_threads == 3
+    for bad in ("0", "-2", "x", "1.5", "65", ""):
+        with pytest.raises(ValueError, match="send_threads"):
+            build_configs({"send_threads": bad})
     assert build_configs({"kv_format": "int4", "kv_int4_fp16_tail": "off"})[0].kv_int4_fp16_tail is False
     assert build_configs({"kv_int4_fp16_tail": " True "})[0].kv_int4_fp16_tail is True
     for bad in ("maybe", "", "2"):
