@@ -143,13 +143,19 @@ class Generation:
             raise api_error
         response = result.get_response()
         final = response.parameters["triton_final_response"].bool_param
-        chunk = Chunk(text=_string(result, "text_output"), finish_reason=None,
-                      num_input_tokens=_int(result, "num_input_tokens"),
-                      num_output_tokens=_int(result, "num_output_tokens"))
-        if result.as_numpy("logprobs") is not None:
-            chunk.logprobs = json.loads(_string(result, "logprobs"))
+        try:
+            out = Outputs(result)
+            chunk = Chunk(text=out.string("text_output"), finish_reason=None,
+                          num_input_tokens=out.uint("num_input_tokens"),
+                          num_output_tokens=out.uint("num_output_tokens"))
+            if out.has("logprobs"):
+                chunk.logprobs = json.loads(out.string("logprobs"))
+            if final:
+                chunk.finish_reason = out.string("finish_reason") or "stop"
+        except APIError:
+            self._end() if final else self.cancel()
+            raise
         if final:
-            chunk.finish_reason = _string(result, "finish_reason") or "stop"
             self._end()
         return chunk
 
@@ -176,14 +182,47 @@ class Generation:
             pass
 
 
-def _string(result, name: str) -> str:
-    array = result.as_numpy(name)
-    if array is None:
-        return ""
-    value = array.reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+class Outputs:
+    """The first element of a response's output tensors (one generation per choice: each holds one),
+    read from the raw bytes Triton sends (BYTES: a 4-byte little-endian length, then the bytes;
+    UINT32: 4 bytes) instead of a numpy array per tensor per token. Tensors sent in `contents`
+    instead go through tritonclient's as_numpy; a malformed one is an upstream error (502)."""
+
+    def __init__(self, result):
+        self.result = result
+        response = result.get_response()
+        raw = response.raw_output_contents
+        self.raw = {o.name: (o.datatype, raw[i]) for i, o in enumerate(response.outputs)} \
+            if len(raw) == len(response.outputs) else None
+
+    def has(self, name: str) -> bool:
+        return name in self.raw if self.raw is not None else self.result.as_numpy(name) is not None
+
+    def string(self, name: str) -> str:
+        if self.raw is None:
+            array = self.result.as_numpy(name)
+            if array is None or array.size == 0:
+                return ""
+            value = array.reshape(-1)[0]
+            return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+        datatype, data = self.raw.get(name, ("BYTES", b"\0\0\0\0"))
+        size = int.from_bytes(data[:4], "little")
+        if datatype != "BYTES" or len(data) < 4 + size:
+            raise _malformed(name, datatype)
+        try:
+            return data[4:4 + size].decode("utf-8")
+        except UnicodeDecodeError:
+            raise _malformed(name, datatype) from None
+
+    def uint(self, name: str) -> int:
+        if self.raw is None:
+            array = self.result.as_numpy(name)
+            return 0 if array is None or array.size == 0 else int(array.reshape(-1)[0])
+        datatype, data = self.raw.get(name, ("UINT32", b"\0\0\0\0"))
+        if datatype != "UINT32" or len(data) < 4:
+            raise _malformed(name, datatype)
+        return int.from_bytes(data[:4], "little")
 
 
-def _int(result, name: str) -> int:
-    array = result.as_numpy(name)
-    return 0 if array is None else int(array.reshape(-1)[0])
+def _malformed(name: str, datatype: str) -> APIError:
+    return APIError(502, f"Triton sent a malformed {name!r} output ({datatype})", code="upstream_error")

@@ -437,3 +437,45 @@ def test_a_crashed_engine_ends_streams_with_an_error_and_is_503_until_reloaded(a
     assert triton.is_model_ready("fastdecode")
     status, body = post(url(api, "completions"), GOOD)
     assert status == 200, body
+
+
+def _result(outputs: list[tuple[str, str, bytes]], raw: bool = True):
+    from tritonclient.grpc import service_pb2
+    from tritonclient.grpc._infer_result import InferResult
+
+    response = service_pb2.ModelInferResponse()
+    for name, datatype, data in outputs:
+        o = response.outputs.add()
+        o.name, o.datatype = name, datatype
+        o.shape.append(1)
+        if raw:
+            response.raw_output_contents.append(data)
+        else:
+            o.contents.bytes_contents.append(data[4:])
+    return InferResult(response)
+
+
+def test_outputs_read_raw_tensors_as_tritonclient_would_and_refuse_malformed_ones():
+    from openai_frontend.errors import APIError
+    from openai_frontend.triton import Outputs
+
+    text = "héllo".encode()
+    good = [("text_output", "BYTES", len(text).to_bytes(4, "little") + text),
+            ("num_output_tokens", "UINT32", (7).to_bytes(4, "little"))]
+    out = Outputs(_result(good))
+    assert out.string("text_output") == "héllo" and out.uint("num_output_tokens") == 7
+    assert out.string("finish_reason") == "" and out.uint("num_input_tokens") == 0
+    assert out.has("text_output") and not out.has("logprobs")
+    out = Outputs(_result(good[:1], raw=False))    # in `contents`: tritonclient reads only BYTES there
+    assert out.string("text_output") == "héllo" and out.has("text_output") and not out.has("logprobs")
+    malformed = [("text_output", "BYTES", (99).to_bytes(4, "little") + b"abc"),   # length beyond the data
+                 ("text_output", "BYTES", b"\x02\x00"),                           # no whole length prefix
+                 ("text_output", "BYTES", (2).to_bytes(4, "little") + b"\xff\xfe"),  # not UTF-8
+                 ("text_output", "UINT32", (1).to_bytes(4, "little")),
+                 ("num_output_tokens", "UINT32", b"\x01"),
+                 ("num_output_tokens", "BYTES", (1).to_bytes(4, "little") + b"x")]
+    for name, datatype, data in malformed:
+        out = Outputs(_result([(name, datatype, data)]))
+        with pytest.raises(APIError, match="malformed") as e:
+            out.string(name) if name == "text_output" else out.uint(name)
+        assert e.value.status == 502
