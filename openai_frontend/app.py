@@ -116,7 +116,7 @@ async def _respond(triton: Triton, request: Request, req: SamplingRequest, fmt: 
     run = Run(triton, choices, req.stream, fmt.id)
     if not req.stream:
         chunks = await _unless_disconnected(request, run)
-        body = [fmt.choice(i, c.text, c.finish_reason, c.logprobs) for i, c in enumerate(chunks)]
+        body = [fmt.choice(i, c.text, c.finish_reason, c.logprobs, c.prompt_logprobs) for i, c in enumerate(chunks)]
         return JSONResponse(fmt.response(body, run.usage(req.n)))
     try:
         await run.start()
@@ -137,7 +137,8 @@ async def _events(run: Run, fmt: CompletionFormat, req: SamplingRequest):
             yield sse(fmt.chunk(heads, None, usage))
         async for i, chunk in run.events():
             if chunk.text or chunk.finish_reason:
-                yield sse(fmt.chunk([fmt.delta(i, chunk.text, chunk.finish_reason, chunk.logprobs)], None, usage))
+                yield sse(fmt.chunk([fmt.delta(i, chunk.text, chunk.finish_reason, chunk.logprobs,
+                                               chunk.prompt_logprobs)], None, usage))
         if usage:
             yield sse(fmt.chunk([], run.usage(req.n), True))
         yield DONE

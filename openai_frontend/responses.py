@@ -3,7 +3,8 @@
 Log probabilities arrive from the model as [{"token_id", "logprob", "top_logprobs": [{"token_id",
 "logprob"}, ...]}] per token (python_backend/response.py) and leave in OpenAI's shapes: completions'
 {"tokens", "token_logprobs", "top_logprobs" (a {token: logprob} dict per token, the top N and the
-sampled token), "text_offset"}; chat's {"content": [{"token", "logprob", "bytes", "top_logprobs":
+sampled token), "text_offset"}, with echo the prompt's tokens first (the first one's logprob and
+top_logprobs null); chat's {"content": [{"token", "logprob", "bytes", "top_logprobs":
 [{"token", "logprob", "bytes"}, ...]}]}. A token's text is the tokenizer's decoding of it alone.
 """
 from __future__ import annotations
@@ -53,12 +54,16 @@ class CompletionFormat:
     def head(self, index: int) -> dict | None:
         return None
 
-    def choice(self, index: int, text: str, finish_reason: str, logprobs: list[dict] | None = None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: list[dict] | None = None,
+               prompt_logprobs: list[dict] | None = None) -> dict:
+        if self.echo_prompts is not None and prompt_logprobs is not None and logprobs is not None:
+            logprobs = prompt_logprobs + logprobs
         return {"index": index, "text": self._echo(index, text), "logprobs": self.logprobs(index, logprobs),
                 "finish_reason": finish_reason}
 
-    def delta(self, index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None) -> dict:
-        return self.choice(index, text, finish_reason, logprobs)
+    def delta(self, index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None,
+              prompt_logprobs: list[dict] | None = None) -> dict:
+        return self.choice(index, text, finish_reason, logprobs, prompt_logprobs)
 
     def logprobs(self, index: int, entries: list[dict] | None) -> dict | None:
         if entries is None:
@@ -69,8 +74,11 @@ class CompletionFormat:
             offsets.append(at)
             at += len(t)
         self.offsets[index] = at
-        tops = []
+        tops: list[dict | None] = []
         for token, e in zip(tokens, entries):
+            if e["logprob"] is None:         # a prompt's first token: nothing predicts it
+                tops.append(None)
+                continue
             top: dict[str, float] = {}
             for t in e["top_logprobs"]:      # tokens of the same text (U+FFFD, say): the likeliest one's
                 top.setdefault(self.token_text(t["token_id"]), t["logprob"])
@@ -97,11 +105,13 @@ class ChatFormat(CompletionFormat):
     def head(self, index: int) -> dict:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def choice(self, index: int, text: str, finish_reason: str, logprobs: list[dict] | None = None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: list[dict] | None = None,
+               prompt_logprobs: list[dict] | None = None) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": text},
                 "logprobs": self.logprobs(index, logprobs), "finish_reason": finish_reason}
 
-    def delta(self, index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None) -> dict:
+    def delta(self, index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None,
+              prompt_logprobs: list[dict] | None = None) -> dict:
         return {"index": index, "delta": {"content": text} if text else {}, "logprobs": self.logprobs(index, logprobs),
                 "finish_reason": finish_reason}
 

@@ -13,6 +13,8 @@ def sampling_parameters(req: SamplingRequest, max_tokens: int | None) -> dict:
     params = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
               "stop": req.stop, "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
               "logprobs": num_logprobs(req)}
+    if isinstance(req, CompletionRequest) and req.echo:
+        params["prompt_logprobs"] = req.logprobs      # the echoed prompt's tokens get theirs too
     extra = req.model_extra or {}
     params.update({k: extra[k] for k in VLLM_EXTRAS if k in extra})
     return {k: v for k, v in params.items() if v is not None}
@@ -46,9 +48,6 @@ def refuse_unsupported(req: SamplingRequest) -> None:
             raise bad_request("suffix is not supported", param="suffix", code="unsupported_parameter")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported", param="best_of", code="unsupported_parameter")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("logprobs with echo (the prompt's log probabilities) is not supported", param="logprobs",
-                              code="unsupported_parameter")
     if isinstance(req, ChatCompletionRequest):
         if req.tools and req.tool_choice != "none":
             raise bad_request("tools (function calling) are not supported", param="tools", code="unsupported_parameter")

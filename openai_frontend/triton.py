@@ -33,6 +33,7 @@ class Chunk:
     num_input_tokens: int
     num_output_tokens: int         # tokens since the previous chunk (streamed) or in all (not streamed)
     logprobs: list[dict] | None = None   # one entry per token of the chunk, when the request asked
+    prompt_logprobs: list[dict] | None = None   # one entry per prompt token, on the first chunk, when asked
 
 
 class Triton:
@@ -150,6 +151,8 @@ class Generation:
                           num_output_tokens=out.uint("num_output_tokens"))
             if out.has("logprobs"):
                 chunk.logprobs = json.loads(out.string("logprobs"))
+            if out.has("prompt_logprobs"):
+                chunk.prompt_logprobs = json.loads(out.string("prompt_logprobs"))
             if final:
                 chunk.finish_reason = out.string("finish_reason") or "stop"
         except APIError:

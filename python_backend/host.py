@@ -364,7 +364,8 @@ def coalesce(batch: list) -> list:
         prev = merged.get(out.request_id)
         merged[out.request_id] = out if prev is None else replace(
             out, token_ids=prev.token_ids + out.token_ids, text=prev.text + out.text,
-            logprobs=None if out.logprobs is None else (prev.logprobs or []) + out.logprobs)
+            logprobs=None if out.logprobs is None else (prev.logprobs or []) + out.logprobs,
+            prompt_logprobs=getattr(prev, "prompt_logprobs", None) or getattr(out, "prompt_logprobs", None))
     return list(merged.values())
 
 

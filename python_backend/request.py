@@ -2,7 +2,7 @@
 
 Inputs: text_input (STRING, required), stream (BOOL), sampling_parameters (STRING holding a
 JSON object: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
-repetition_penalty, frequency_penalty, presence_penalty, min_p, min_tokens, logprobs; the
+repetition_penalty, frequency_penalty, presence_penalty, min_p, min_tokens, logprobs, prompt_logprobs; the
 engine's SamplingParams checks them; and n, the number of choices, 1..MAX_CHOICES, each its own
 engine request, seeded seed, seed+1, ... when a seed is given),
 exclude_input_in_output, return_finish_reason, return_num_input_tokens, return_num_output_tokens

@@ -4,7 +4,9 @@ Outputs: text_output (STRING), finish_reason (STRING), num_input_tokens (UINT32)
 num_output_tokens (UINT32), and logprobs (STRING) only when sampling_parameters has "logprobs":
 a JSON list with one entry per token of the response, {"token_id", "logprob", "top_logprobs":
 [{"token_id", "logprob"}, ...] (best first, as many as asked)}; log probabilities of the model's
-raw distribution, -inf written as -9999.0. Streaming: one response per text delta (the engine never splits a
+raw distribution, -inf written as -9999.0; prompt_logprobs (STRING) only when sampling_parameters
+has "prompt_logprobs", on the first response of each choice: the same entries, one per prompt
+token, the first with "logprob" null and no "top_logprobs". Streaming: one response per text delta (the engine never splits a
 UTF-8 character, so neither do we); num_output_tokens counts the tokens since the previous
 response. Not streaming: one response with the whole text (prompt first unless
 exclude_input_in_output) and the total token count. With "n" in sampling_parameters, every
@@ -36,6 +38,8 @@ class ResponseBuilder:
         self.num_output = [0] * n
         self.logprobs: list[list[dict]] | None = ([[] for _ in range(n)] if request.sampling.get("logprobs")
                                                   is not None else None)
+        self.prompt_logprobs: list[list[dict] | None] | None = ([None] * n if request.sampling.get(
+            "prompt_logprobs") is not None else None)
         self.failed = False
 
     @property
@@ -48,6 +52,8 @@ class ResponseBuilder:
         self.pending_tokens[i] += len(out.token_ids)
         if self.logprobs is not None:
             self.logprobs[i] += [_logprob_entry(lp) for lp in getattr(out, "logprobs", None) or ()]
+        if self.prompt_logprobs is not None and getattr(out, "prompt_logprobs", None):
+            self.prompt_logprobs[i] = [_logprob_entry(lp) for lp in out.prompt_logprobs]
         if out.finished and out.finish_reason in ("error", "cancelled"):
             self.failed = True
             if out.finish_reason == "error":
@@ -86,6 +92,14 @@ class ResponseBuilder:
             for i in range(len(texts)):
                 if only is None or i == only:
                     self.logprobs[i] = []
+        if self.prompt_logprobs is not None and any(
+                x is not None for i, x in enumerate(self.prompt_logprobs) if only is None or i == only):
+            outputs["prompt_logprobs"] = np.array(
+                [json.dumps(x if (only is None or i == only) and x is not None else []).encode()
+                 for i, x in enumerate(self.prompt_logprobs)], dtype=np.object_)
+            for i in range(len(texts)):
+                if only is None or i == only:
+                    self.prompt_logprobs[i] = None
         return outputs
 
 
@@ -94,5 +108,5 @@ def _finite(x: float) -> float:
 
 
 def _logprob_entry(lp) -> dict:
-    return {"token_id": lp.token_id, "logprob": _finite(lp.logprob),
+    return {"token_id": lp.token_id, "logprob": None if lp.logprob is None else _finite(lp.logprob),
             "top_logprobs": [{"token_id": t, "logprob": _finite(v)} for t, v in lp.top]}

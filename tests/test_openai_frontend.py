@@ -217,7 +217,8 @@ GARBAGE = [
     ("completions", {**GOOD, "logprobs": 21}, 400, "logprobs"),
     ("completions", {**GOOD, "logprobs": -1}, 400, "logprobs"),
     ("completions", {**GOOD, "logprobs": "two"}, 400, "logprobs"),
-    ("completions", {**GOOD, "logprobs": 1, "echo": True}, 400, "logprobs"),
+    ("completions", {**GOOD, "logprobs": 21, "echo": True}, 400, "logprobs"),
+    ("completions", {**GOOD, "logprobs": "x", "echo": True}, 400, "logprobs"),
     ("completions", {**GOOD, "frequency_penalty": 2.5}, 400, "frequency_penalty"),
     ("completions", {**GOOD, "presence_penalty": "x"}, 400, "presence_penalty"),
     ("completions", {**GOOD, "repetition_penalty": 0}, 400, "repetition_penalty"),   # the engine's checks, relayed
@@ -308,6 +309,41 @@ def test_completion_logprobs_in_openai_shape(api):
     assert streamed == lp["tokens"]
     _, none = post(url(api, "completions"), {**request, "logprobs": None})
     assert none["choices"][0]["logprobs"] is None
+
+
+def test_echo_with_logprobs_scores_the_prompt_tokens_first(api, tiny_model_dir):
+    request = {"model": NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    _, plain = post(url(api, "completions"), request)
+    status, body = post(url(api, "completions"), {**request, "echo": True})
+    assert status == 200, body
+    choice, prompt_tokens = body["choices"][0], body["usage"]["prompt_tokens"]
+    assert choice["text"] == PROMPT + plain["choices"][0]["text"]
+    lp, tail = choice["logprobs"], plain["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == prompt_tokens + 4
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None     # nothing predicts the first
+    assert all(v <= 0 for v in lp["token_logprobs"][1:prompt_tokens])
+    assert all(1 <= len(top) <= 3 and top[t] >= v for t, v, top in   # >=: a likelier token of the same text
+               zip(lp["tokens"][1:prompt_tokens], lp["token_logprobs"][1:prompt_tokens], lp["top_logprobs"][1:]))
+    for key in ("tokens", "token_logprobs", "top_logprobs"):
+        assert lp[key][prompt_tokens:] == tail[key]
+    assert lp["text_offset"][0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(lp["text_offset"], lp["text_offset"][1:], lp["tokens"]))
+    # the prompt tokens' log probabilities are the model's: transformers on the same token ids
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import torch
+
+    ids = AutoTokenizer.from_pretrained(tiny_model_dir)(PROMPT)["input_ids"]
+    assert len(ids) == prompt_tokens
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for t in range(1, prompt_tokens):       # the server runs bf16 where the CPU has it
+        assert lp["token_logprobs"][t] == pytest.approx(ref[t - 1, ids[t]].item(), rel=0.02, abs=0.05)
+    streamed = [e["choices"][0]["logprobs"] for e in sse_events(api, "completions", {**request, "echo": True,
+                                                                                       "stream": True})]
+    assert [t for x in streamed for t in x["tokens"]] == lp["tokens"]
+    assert streamed[0]["token_logprobs"][0] is None
 
 
 def test_chat_logprobs_in_openai_shape(api):

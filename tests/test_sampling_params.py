@@ -331,6 +331,32 @@ def test_engine_returns_logprobs_of_the_model(engine, tiny_model_dir):
     assert all(o.logprobs is None for o in outs)
 
 
+def test_engine_returns_prompt_logprobs_of_the_model_on_the_first_output(engine, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    prompt = engine.tokenizer("Hello there, how are you")["input_ids"]
+    tokens, outs = run(engine, prompt, temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=4)
+    first = outs[0].prompt_logprobs
+    assert all(o.prompt_logprobs is None for o in outs[1:]) and all(o.logprobs is None for o in outs)
+    assert [lp.token_id for lp in first] == prompt
+    assert first[0].logprob is None and first[0].top == []
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for t, lp in enumerate(first[1:]):
+        assert math.isclose(lp.logprob, ref[t, prompt[t + 1]].item(), abs_tol=1e-4)
+        assert [i for i, _ in lp.top] == ref[t].topk(4).indices.tolist()
+    again, _ = run(engine, prompt, temperature=0, max_tokens=3, ignore_eos=True)
+    assert again == tokens                              # asking for them changes nothing else
+    (one,) = [o.prompt_logprobs for o in run(engine, prompt[:1], temperature=0, max_tokens=1)[1]]
+    assert one is None
+    _, single = run(engine, prompt[:1], temperature=0, max_tokens=1, prompt_logprobs=0)
+    assert [(lp.token_id, lp.logprob, lp.top) for lp in single[0].prompt_logprobs] == [(prompt[0], None, [])]
+    for bad in (-1, 21, "2", True, 1.5):
+        with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)
+
+
 # ---- the Triton model's logprobs output (python_backend/response.py)
 
 def test_response_logprobs_tensor_only_when_asked():
@@ -361,3 +387,29 @@ def test_response_logprobs_tensor_only_when_asked():
     assert sent[:2] == [None, None] and json.loads(sent[2]["logprobs"][0]) == entry
     plain = ResponseBuilder(GenerateRequest("p", stream=True))
     assert all("logprobs" not in s for s in (plain.on_output(o)[0] for o in outs) if s)
+
+
+def test_response_prompt_logprobs_tensor_on_the_first_response_sent():
+    import json
+
+    from fastdecode.engine.sampling import TokenLogprobs
+    from fastdecode.engine.sequence import RequestOutput
+    from python_backend.request import GenerateRequest
+    from python_backend.response import ResponseBuilder
+
+    prompt = [TokenLogprobs(1, None, []), TokenLogprobs(2, -1.5, [(3, -0.5)]), TokenLogprobs(4, float("-inf"), [(3, -0.1)])]
+    entries = [{"token_id": 1, "logprob": None, "top_logprobs": []},
+               {"token_id": 2, "logprob": -1.5, "top_logprobs": [{"token_id": 3, "logprob": -0.5}]},
+               {"token_id": 4, "logprob": -9999.0, "top_logprobs": [{"token_id": 3, "logprob": -0.1}]}]
+    outs = [RequestOutput("r", [5], "", False, None, 3, 1, prompt_logprobs=prompt),   # no complete character yet
+            RequestOutput("r", [7], "ab", False, None, 3, 2),
+            RequestOutput("r", [8], "c", True, "length", 3, 3)]
+    stream = ResponseBuilder(GenerateRequest("p", stream=True, sampling={"prompt_logprobs": 1}))
+    sent = [stream.on_output(o)[0] for o in outs]
+    assert sent[0] is None and json.loads(sent[1]["prompt_logprobs"][0]) == entries
+    assert "prompt_logprobs" not in sent[2]
+    whole = ResponseBuilder(GenerateRequest("p", sampling={"prompt_logprobs": 1}))
+    sent = [whole.on_output(o)[0] for o in outs]
+    assert json.loads(sent[2]["prompt_logprobs"][0]) == entries
+    plain = ResponseBuilder(GenerateRequest("p", stream=True, sampling={"logprobs": 1}))
+    assert all("prompt_logprobs" not in s for s in (plain.on_output(o)[0] for o in outs) if s)

@@ -56,7 +56,7 @@ def test_shipped_config_builds_the_default_engine_config():
     assert [g.count for g in config.instance_group] == [1]
     assert [i.name for i in config.input][:3] == ["text_input", "stream", "sampling_parameters"]
     assert [o.name for o in config.output] == ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
-                                                 "logprobs"]
+                                                 "logprobs", "prompt_logprobs"]
 
 
 def test_cli_rejects_garbage(capsys):

@@ -17,6 +17,7 @@ import torch
 from fastdecode.attention import AttentionError, KVCapacityError
 from fastdecode.engine.model_runner import ModelRunner
 from fastdecode.engine.preemption import TOO_LONG, KVBackoff, KVPlan
+from fastdecode.engine.sampling import prompt_token_logprobs
 from fastdecode.engine.requests import RequestTable
 from fastdecode.engine.sequence import Sequence, Status
 from fastdecode.scheduler import Scheduler
@@ -85,8 +86,10 @@ class KVRecovery:
             if not batch:
                 break
             refused: list[int] = []
+            prompt_logits = {s.seq_id: None for s in batch if wants_prompt_logprobs(s)}
             try:
-                out, lost_ids = self.runner.prefill([s.seq_id for s in batch], [s.all_ids for s in batch], refused)
+                out, lost_ids = self.runner.prefill([s.seq_id for s in batch], [s.all_ids for s in batch], refused,
+                                                    prompt_logits)
             except AttentionError as e:
                 if isinstance(e, KVCapacityError):
                     self.refused(batch, f"during prefill: {e}")
@@ -99,6 +102,11 @@ class KVRecovery:
             keep = [i for i, s in enumerate(batch) if s.seq_id not in lost_set and s.status is Status.RUNNING]
             seqs += [batch[i] for i in keep]
             logits.append(out[keep])
+            for i in keep:
+                s = batch[i]
+                if prompt_logits.get(s.seq_id) is not None:
+                    s.prompt_logprobs = prompt_token_logprobs(prompt_logits[s.seq_id], s.prompt_ids,
+                                                              s.params.prompt_logprobs)
             prefill, rebuild = [], [s for s in batch if s.seq_id in lost_set]
         return seqs, logits
 
@@ -157,3 +165,8 @@ class KVRecovery:
             self.scheduler.on_preempted(step, s.seq_id)
         self.plan.preemptions += len(seqs)
         log.info("preempted %d sequence(s) for lack of KV; %d run on", len(seqs), len(self.requests.running))
+
+
+def wants_prompt_logprobs(s: Sequence) -> bool:
+    """Asked for, and not yet computed: a sequence prefilled again (lost KV, preempted) has them."""
+    return s.params.prompt_logprobs is not None and not s.output_ids and s.prompt_logprobs is None

@@ -187,15 +187,17 @@ class ModelRunner:
         mb.rope = (mb.rope[0][idx], mb.rope[1][idx])
 
     # -- prefill ------------------------------------------------------------------------
-    def prefill(self, seq_ids: list[int], token_lists: list[list[int]],
-                refused: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    def prefill(self, seq_ids: list[int], token_lists: list[list[int]], refused: list[int] | None = None,
+                prompt_logits: dict[int, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, list[int]]:
         """Run whole prompts through the S-Part (attention here, SDPA causal) and store
         their k, v in the backend. Identical prompts (the n choices of one request) run once
         and their k, v are stored for each sequence. Returns the last-position logits [n, vocab]
         of every sequence and the ids whose KV was lost on the way (their logits are unusable).
         With `refused`, the ids an R-worker refused KV for are dropped into it like lost ones;
         else, and for a whole call refused, KVCapacityError propagates; any other backend
-        failure as an AttentionError."""
+        failure as an AttentionError. The ids that are keys of `prompt_logits` get the logits of
+        every position of their prompt but the last there ([len - 1, vocab]: row t predicts token
+        t + 1), for prompt log probabilities."""
         unique: dict[tuple[int, ...], int] = {}
         prompt_of = [unique.setdefault(tuple(t), len(unique)) for t in token_lists]
         prompts = list(unique)
@@ -241,4 +243,8 @@ class ModelRunner:
             h = self.model.post_attention(layer, h, o)
         last = torch.tensor(starts[1:], device=self.device) - 1
         logits = self.model.logits(h[last])
+        for i, sid in enumerate(seq_ids):
+            if prompt_logits is not None and sid in prompt_logits:
+                p = prompt_of[i]
+                prompt_logits[sid] = self.model.logits(h[starts[p]:starts[p + 1] - 1])
         return (logits if len(prompts) == len(seq_ids) else logits[torch.tensor(prompt_of, device=logits.device)]), lost

@@ -52,6 +52,7 @@ class SamplingParams:
     min_p: float = 0.0                 # in [0, 1]
     min_tokens: int = 0                # stop tokens and stop strings ignored before this many tokens
     logprobs: int | None = None        # 0..MAX_LOGPROBS: the sampled token's logprob and this many top ones
+    prompt_logprobs: int | None = None  # 0..MAX_LOGPROBS: each prompt token's logprob and this many top ones
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -100,8 +101,10 @@ class SamplingParams:
               f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         check(self.min_tokens <= self.max_tokens,
               f"min_tokens must be at most max_tokens, got min_tokens {self.min_tokens} > max_tokens {self.max_tokens}")
-        check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-              f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            check(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
+                  f"{name} must be an integer in [0, {MAX_LOGPROBS}] or null, got {v!r}")
         penalized = rp != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
         # flags the sampler scans every step (not dataclass fields: not parameters, not compared)
         object.__setattr__(self, "penalized", penalized)
@@ -193,9 +196,10 @@ class TokenHistory:
 
 @dataclass
 class TokenLogprobs:
-    """One generated token's log probability and the top-N (token id, log probability), best first."""
+    """One token's log probability and the top-N (token id, log probability), best first. A prompt's
+    first token has none (logprob None): nothing comes before it."""
     token_id: int
-    logprob: float
+    logprob: float | None
     top: list[tuple[int, float]]
 
 
@@ -361,21 +365,34 @@ def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: t
         return None
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     idx = torch.tensor(rows, device=logits.device)
-    x = logits.index_select(0, idx)
+    found = _logprobs(logits.index_select(0, idx), tokens.index_select(0, idx), [params[i].logprobs for i in rows])
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    for i, lp in zip(rows, found):
+        out[i] = lp
+    return out
+
+
+def prompt_token_logprobs(logits: torch.Tensor, prompt_ids: list[int], top_n: int) -> list[TokenLogprobs]:
+    """logits [len(prompt_ids) - 1, V]: row t predicts prompt token t + 1 -> one entry per prompt
+    token, the first without a log probability; log_softmax of the raw logits, as token_logprobs."""
+    first = TokenLogprobs(prompt_ids[0], None, [])
+    if len(prompt_ids) < 2:
+        return [first]
+    targets = torch.tensor(prompt_ids[1:], device=logits.device)
+    return [first] + _logprobs(logits, targets, [top_n] * len(targets))
+
+
+def _logprobs(x: torch.Tensor, chosen_ids: torch.Tensor, top_ns: list[int]) -> list[TokenLogprobs]:
+    """Row i of x: chosen_ids[i]'s log probability and the top_ns[i] best, from log_softmax(x[i])."""
     # log_softmax = x - logsumexp(x), computed only where read; 16 rows at a time stay in cache
     lse = torch.cat([c.float().logsumexp(dim=-1, keepdim=True) for c in x.split(16)])
-    chosen_ids = tokens.index_select(0, idx)
     chosen = (x.gather(1, chosen_ids[:, None]).float() - lse)[:, 0].tolist()
-    k = max(params[i].logprobs for i in rows)
+    k = max(top_ns)
     if k > 0:
         top_v, top_i = x.topk(min(k, x.shape[1]), dim=-1)
         top_v, top_i = (top_v.float() - lse).tolist(), top_i.tolist()
-    out: list[TokenLogprobs | None] = [None] * len(params)
-    for j, (i, tok) in enumerate(zip(rows, chosen_ids.tolist())):
-        n = params[i].logprobs
-        top = list(zip(top_i[j][:n], top_v[j][:n])) if n else []
-        out[i] = TokenLogprobs(tok, chosen[j], top)
-    return out
+    return [TokenLogprobs(tok, chosen[j], list(zip(top_i[j][:n], top_v[j][:n])) if n else [])
+            for j, (tok, n) in enumerate(zip(chosen_ids.tolist(), top_ns))]
 
 
 def _uniforms(rows: list[int], generators: list[torch.Generator | None], device) -> torch.Tensor:

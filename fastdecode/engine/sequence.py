@@ -28,6 +28,7 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None   # one per token of token_ids, when the request asked
+    prompt_logprobs: list[TokenLogprobs] | None = None   # one per prompt token, on the first output, when asked
 
 
 class Status(enum.Enum):
@@ -58,6 +59,7 @@ class Sequence:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.text = ""          # output text so far (a stop string cut off)
         self.sent = 0           # characters of self.text already streamed
+        self.prompt_logprobs: list[TokenLogprobs] | None = None   # computed at the first prefill, sent once
         self.hold = max((len(s) for s in params.stop), default=1) - 1   # chars that may start a stop string
 
     @property
@@ -107,8 +109,9 @@ class Sequence:
         text, self.sent = self.text[self.sent:end], end
         if logprobs is None and self.params.logprobs is not None:
             logprobs = []
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         return RequestOutput(self.request_id, new_tokens, text, self.finished, self.finish_reason,
-                             len(self.prompt_ids), len(self.output_ids), self.error, logprobs)
+                             len(self.prompt_ids), len(self.output_ids), self.error, logprobs, prompt_logprobs)
 
 
 def check_stop_strings(stop: tuple[str, ...]) -> None:
