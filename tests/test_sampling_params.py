@@ -348,6 +348,20 @@ def test_engine_returns_prompt_logprobs_of_the_model_on_the_first_output(engine,
         assert [i for i, _ in lp.top] == ref[t].topk(4).indices.tolist()
     again, _ = run(engine, prompt, temperature=0, max_tokens=3, ignore_eos=True)
     assert again == tokens                              # asking for them changes nothing else
+    from fastdecode.engine import model_runner
+
+    rows, model_runner.PROMPT_LOGITS_ROWS = model_runner.PROMPT_LOGITS_ROWS, 2    # the LM head over 2 rows a call
+    try:
+        _, chunked = run(engine, prompt, temperature=0, max_tokens=1, prompt_logprobs=4)
+    finally:
+        model_runner.PROMPT_LOGITS_ROWS = rows
+    def ids(lps):
+        return [(lp.token_id, [i for i, _ in lp.top]) for lp in lps]
+
+    def values(lps):        # float rounding differs with the GEMM's shape
+        return [v for lp in lps[1:] for v in [lp.logprob] + [x for _, x in lp.top]]
+    assert len(chunked[0].prompt_logprobs) == len(prompt) and ids(chunked[0].prompt_logprobs) == ids(first)
+    assert values(chunked[0].prompt_logprobs) == pytest.approx(values(first), abs=1e-5)
     (one,) = [o.prompt_logprobs for o in run(engine, prompt[:1], temperature=0, max_tokens=1)[1]]
     assert one is None
     _, single = run(engine, prompt[:1], temperature=0, max_tokens=1, prompt_logprobs=0)

@@ -17,7 +17,6 @@ import torch
 from fastdecode.attention import AttentionError, KVCapacityError
 from fastdecode.engine.model_runner import ModelRunner
 from fastdecode.engine.preemption import TOO_LONG, KVBackoff, KVPlan
-from fastdecode.engine.sampling import prompt_token_logprobs
 from fastdecode.engine.requests import RequestTable
 from fastdecode.engine.sequence import Sequence, Status
 from fastdecode.scheduler import Scheduler
@@ -86,10 +85,10 @@ class KVRecovery:
             if not batch:
                 break
             refused: list[int] = []
-            prompt_logits = {s.seq_id: None for s in batch if wants_prompt_logprobs(s)}
+            prompt_logprobs = {s.seq_id: s.params.prompt_logprobs for s in batch if wants_prompt_logprobs(s)}
             try:
                 out, lost_ids = self.runner.prefill([s.seq_id for s in batch], [s.all_ids for s in batch], refused,
-                                                    prompt_logits)
+                                                    prompt_logprobs)
             except AttentionError as e:
                 if isinstance(e, KVCapacityError):
                     self.refused(batch, f"during prefill: {e}")
@@ -103,10 +102,8 @@ class KVRecovery:
             seqs += [batch[i] for i in keep]
             logits.append(out[keep])
             for i in keep:
-                s = batch[i]
-                if prompt_logits.get(s.seq_id) is not None:
-                    s.prompt_logprobs = prompt_token_logprobs(prompt_logits[s.seq_id], s.prompt_ids,
-                                                              s.params.prompt_logprobs)
+                if isinstance(prompt_logprobs.get(batch[i].seq_id), list):
+                    batch[i].prompt_logprobs = prompt_logprobs[batch[i].seq_id]
             prefill, rebuild = [], [s for s in batch if s.seq_id in lost_set]
         return seqs, logits
 

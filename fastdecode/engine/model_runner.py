@@ -27,7 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from fastdecode.attention.base import AttentionBackend, AttentionError, KVCapacityError, SequencesLost
+from fastdecode.engine.sampling import TokenLogprobs, logprobs_of
 from fastdecode.model.llama import LlamaModel
+
+PROMPT_LOGITS_ROWS = 256   # prompt positions per LM-head call for prompt log probabilities (memory: rows x vocab)
 
 
 @dataclass
@@ -187,17 +190,25 @@ class ModelRunner:
         mb.rope = (mb.rope[0][idx], mb.rope[1][idx])
 
     # -- prefill ------------------------------------------------------------------------
+    def _prompt_logprobs(self, h: torch.Tensor, prompt: tuple[int, ...], top_n: int) -> list[TokenLogprobs]:
+        """h [len(prompt), hidden] after the last layer: row t scores prompt token t + 1."""
+        out = [TokenLogprobs(prompt[0], None, [])]
+        for a in range(0, len(prompt) - 1, PROMPT_LOGITS_ROWS):
+            b = min(a + PROMPT_LOGITS_ROWS, len(prompt) - 1)
+            out += logprobs_of(self.model.logits(h[a:b]), list(prompt[a + 1:b + 1]), top_n)
+        return out
+
     def prefill(self, seq_ids: list[int], token_lists: list[list[int]], refused: list[int] | None = None,
-                prompt_logits: dict[int, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, list[int]]:
+                prompt_logprobs: dict[int, int | list[TokenLogprobs]] | None = None) -> tuple[torch.Tensor, list[int]]:
         """Run whole prompts through the S-Part (attention here, SDPA causal) and store
         their k, v in the backend. Identical prompts (the n choices of one request) run once
         and their k, v are stored for each sequence. Returns the last-position logits [n, vocab]
         of every sequence and the ids whose KV was lost on the way (their logits are unusable).
         With `refused`, the ids an R-worker refused KV for are dropped into it like lost ones;
         else, and for a whole call refused, KVCapacityError propagates; any other backend
-        failure as an AttentionError. The ids that are keys of `prompt_logits` get the logits of
-        every position of their prompt but the last there ([len - 1, vocab]: row t predicts token
-        t + 1), for prompt log probabilities."""
+        failure as an AttentionError. `prompt_logprobs` maps ids to a top-N: each gets the log
+        probability of every token of its prompt there instead (sampling.logprobs_of; the first
+        token has none), the LM head run over PROMPT_LOGITS_ROWS positions at a time."""
         unique: dict[tuple[int, ...], int] = {}
         prompt_of = [unique.setdefault(tuple(t), len(unique)) for t in token_lists]
         prompts = list(unique)
@@ -244,7 +255,8 @@ class ModelRunner:
         last = torch.tensor(starts[1:], device=self.device) - 1
         logits = self.model.logits(h[last])
         for i, sid in enumerate(seq_ids):
-            if prompt_logits is not None and sid in prompt_logits:
+            if prompt_logprobs is not None and sid in prompt_logprobs:
                 p = prompt_of[i]
-                prompt_logits[sid] = self.model.logits(h[starts[p]:starts[p + 1] - 1])
+                prompt_logprobs[sid] = self._prompt_logprobs(h[starts[p]:starts[p + 1]], prompts[p],
+                                                             prompt_logprobs[sid])
         return (logits if len(prompts) == len(seq_ids) else logits[torch.tensor(prompt_of, device=logits.device)]), lost

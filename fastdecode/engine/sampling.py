@@ -372,14 +372,12 @@ def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: t
     return out
 
 
-def prompt_token_logprobs(logits: torch.Tensor, prompt_ids: list[int], top_n: int) -> list[TokenLogprobs]:
-    """logits [len(prompt_ids) - 1, V]: row t predicts prompt token t + 1 -> one entry per prompt
-    token, the first without a log probability; log_softmax of the raw logits, as token_logprobs."""
-    first = TokenLogprobs(prompt_ids[0], None, [])
-    if len(prompt_ids) < 2:
-        return [first]
-    targets = torch.tensor(prompt_ids[1:], device=logits.device)
-    return [first] + _logprobs(logits, targets, [top_n] * len(targets))
+def logprobs_of(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprobs]:
+    """Row i of logits [len(token_ids), V] scores token_ids[i] (a prompt's next token): its log
+    probability and the top_n best, from log_softmax of the raw logits, as token_logprobs."""
+    if not token_ids:
+        return []
+    return _logprobs(logits, torch.tensor(token_ids, device=logits.device), [top_n] * len(token_ids))
 
 
 def _logprobs(x: torch.Tensor, chosen_ids: torch.Tensor, top_ns: list[int]) -> list[TokenLogprobs]:
