@@ -82,7 +82,6 @@ class EngineHost:
         self.send_threads = max(1, send_threads)
         self._lanes = ThreadPoolExecutor(self.send_threads - 1, thread_name_prefix="fastdecode-send") \
             if self.send_threads > 1 else None
-        self._metrics_lock = threading.Lock()
         self._prefix = f"t{os.getpid()}-"
         self._live: dict[str, Live] = {}
         self._lock = threading.Lock()
@@ -213,18 +212,15 @@ class EngineHost:
         if live.first_token is None and (out.token_ids or out.finished):
             live.first_token = now
             if self.metrics is not None and out.token_ids:
-                with self._metrics_lock:
-                    self.metrics.first_token(now - live.arrival, out.num_prompt_tokens)
+                self.metrics.first_token(now - live.arrival, out.num_prompt_tokens)
         if self.metrics is not None:
-            with self._metrics_lock:
-                self.metrics.tokens(len(out.token_ids))
+            self.metrics.tokens(len(out.token_ids))
         outputs, error = live.builder.on_output(out, live.choice)
         final = live.builder.done
         if out.finished:
             self._finish(live)
             if self.metrics is not None:
-                with self._metrics_lock:
-                    self.metrics.request_finished(out.finish_reason, now - live.first_token, out.num_output_tokens)
+                self.metrics.request_finished(out.finish_reason, now - live.first_token, out.num_output_tokens)
         if error is not None and live.siblings:       # one choice failed: the request ends with it
             for other in live.siblings:
                 if not other.done:
@@ -309,15 +305,13 @@ class EngineHost:
             for other in live.siblings or [live]:
                 other.sender = None
             if self.metrics is not None:
-                with self._metrics_lock:
-                    self.metrics.request_finished("error", None, 0)
+                self.metrics.request_finished("error", None, 0)
 
     def _flush_metrics(self) -> None:
         if self.metrics is None:
             return
         try:
-            with self._metrics_lock:
-                self.metrics.flush(self.engine.stats(), engine_trace(self.engine))
+            self.metrics.flush(self.engine.stats(), engine_trace(self.engine))
         except Exception as e:
             self.transport.log("warn", f"fastdecode: metrics update failed: {e}")
 

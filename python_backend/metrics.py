@@ -40,6 +40,7 @@ more than that many steps ran since the previous push.
 """
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 from fastdecode.trace import PARTS, TraceCursor, step_totals
@@ -108,30 +109,35 @@ class Metrics:
         self.sls: dict | None = None                   # sls gauges, made on first sight of an sls scheduler
         self.trace_cursor = TraceCursor()
         self._pending = self._empty()
+        self._lock = threading.Lock()      # the host's send threads record side by side
 
     @staticmethod
     def _empty() -> dict:
         return {"prompt": 0, "generated": 0, "finished": {}, "ttft": [], "tpot": []}
 
-    # ---- recording (one thread)
+    # ---- recording (any thread)
     def first_token(self, seconds: float, num_prompt_tokens: int) -> None:
-        self._pending["ttft"].append(seconds)
-        self._pending["prompt"] += num_prompt_tokens
+        with self._lock:
+            self._pending["ttft"].append(seconds)
+            self._pending["prompt"] += num_prompt_tokens
 
     def tokens(self, n: int) -> None:
-        self._pending["generated"] += n
+        with self._lock:
+            self._pending["generated"] += n
 
     def request_finished(self, reason: str | None, decode_seconds: float | None, num_output_tokens: int) -> None:
         reason = reason if reason in FINISH_REASONS else "error"
-        self._pending["finished"][reason] = self._pending["finished"].get(reason, 0) + 1
-        if decode_seconds is not None and num_output_tokens > 1:
-            self._pending["tpot"].append(decode_seconds / (num_output_tokens - 1))
+        with self._lock:
+            self._pending["finished"][reason] = self._pending["finished"].get(reason, 0) + 1
+            if decode_seconds is not None and num_output_tokens > 1:
+                self._pending["tpot"].append(decode_seconds / (num_output_tokens - 1))
 
     # ---- pushing
     def flush(self, stats: dict | None = None, trace: list[dict] | None = None) -> None:
         """Push what was recorded, the gauges of engine.stats() (`stats`) and the steps of
         engine.trace (`trace`, the engine's newest records) not pushed before."""
-        p, self._pending = self._pending, self._empty()
+        with self._lock:
+            p, self._pending = self._pending, self._empty()
         if p["prompt"]:
             self.prompt_tokens.increment(p["prompt"])
         if p["generated"]:
