@@ -77,9 +77,16 @@ def create_app(settings: Settings) -> FastAPI:
     async def completions(req: CompletionRequest, request: Request):
         check_model(req)
         prompts = _prompts(req.prompt)
-        params = sampling_parameters(req, req.max_tokens)
+        echo_only = req.max_tokens == 0
+        if echo_only and not req.echo:
+            raise bad_request("max_tokens 0 generates nothing: it needs echo (the prompt back, scored with logprobs)",
+                              param="max_tokens")
+        # vLLM's way to score a prompt: generate one token, then leave it out of the reply
+        params = sampling_parameters(req, 1 if echo_only else req.max_tokens)
+        if echo_only and params.get("min_tokens", 0) > 0:
+            raise bad_request("min_tokens needs max_tokens above 0", param="min_tokens")
         fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", settings.name, prompts if req.echo else None, req.n,
-                               token_text)
+                               token_text, generated=not echo_only)
         choices = [(p, s) for p in prompts for s in per_choice(params, req.n)]
         return await _respond(triton, request, req, fmt, choices)
 
@@ -117,7 +124,7 @@ async def _respond(triton: Triton, request: Request, req: SamplingRequest, fmt: 
     if not req.stream:
         chunks = await _unless_disconnected(request, run)
         body = [fmt.choice(i, c.text, c.finish_reason, c.logprobs, c.prompt_logprobs) for i, c in enumerate(chunks)]
-        return JSONResponse(fmt.response(body, run.usage(req.n)))
+        return JSONResponse(fmt.response(body, fmt.usage(run.usage(req.n))))
     try:
         await run.start()
     except BaseException:
@@ -136,11 +143,11 @@ async def _events(run: Run, fmt: CompletionFormat, req: SamplingRequest):
         if heads:
             yield sse(fmt.chunk(heads, None, usage))
         async for i, chunk in run.events():
-            if chunk.text or chunk.finish_reason:
+            if chunk.text or chunk.finish_reason or chunk.prompt_logprobs is not None:
                 yield sse(fmt.chunk([fmt.delta(i, chunk.text, chunk.finish_reason, chunk.logprobs,
                                                chunk.prompt_logprobs)], None, usage))
         if usage:
-            yield sse(fmt.chunk([], run.usage(req.n), True))
+            yield sse(fmt.chunk([], fmt.usage(run.usage(req.n)), True))
         yield DONE
     except APIError as e:
         yield sse(e.body())

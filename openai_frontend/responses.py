@@ -38,9 +38,10 @@ class CompletionFormat:
     object = chunk_object = "text_completion"
 
     def __init__(self, request_id: str, model: str, echo_prompts: list[str] | None = None, n: int = 1,
-                 token_text: TokenTexts | None = None):
+                 token_text: TokenTexts | None = None, generated: bool = True):
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.echo_prompts, self.n = echo_prompts, n
+        self.generated = generated            # False: max_tokens 0, the sampled token is left out
         self.echoed: set[int] = set()
         self.token_text = token_text
         self.offsets: dict[int, int] = {}     # choice -> characters of text before its next token
@@ -56,7 +57,10 @@ class CompletionFormat:
 
     def choice(self, index: int, text: str, finish_reason: str, logprobs: list[dict] | None = None,
                prompt_logprobs: list[dict] | None = None) -> dict:
-        if self.echo_prompts is not None and prompt_logprobs is not None and logprobs is not None:
+        if not self.generated:
+            text, finish_reason = "", finish_reason and "length"
+            logprobs = None if logprobs is None else (prompt_logprobs or [])
+        elif self.echo_prompts is not None and prompt_logprobs is not None and logprobs is not None:
             logprobs = prompt_logprobs + logprobs
         return {"index": index, "text": self._echo(index, text), "logprobs": self.logprobs(index, logprobs),
                 "finish_reason": finish_reason}
@@ -86,6 +90,11 @@ class CompletionFormat:
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": tops,
                 "text_offset": offsets}
+
+    def usage(self, usage: dict) -> dict:
+        if self.generated:
+            return usage
+        return {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
 
     def response(self, choices: list[dict], usage: dict) -> dict:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,

@@ -203,7 +203,9 @@ GARBAGE = [
     ("completions", b"[1, 2, 3]", 400, None),
     ("completions", {"prompt": "x"}, 400, "model"),
     ("completions", {**GOOD, "max_tokens": -1}, 400, "max_tokens"),
-    ("completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),                  # 0 needs echo
+    ("completions", {**GOOD, "max_tokens": 0, "echo": True, "min_tokens": 2}, 400, "min_tokens"),
+    ("completions", {**GOOD, "max_tokens": 0, "echo": [1]}, 400, "echo"),
     ("completions", {**GOOD, "max_tokens": "many"}, 400, "max_tokens"),
     ("completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
     ("completions", {**GOOD, "temperature": -1}, 400, "temperature"),
@@ -344,6 +346,38 @@ def test_echo_with_logprobs_scores_the_prompt_tokens_first(api, tiny_model_dir):
                                                                                        "stream": True})]
     assert [t for x in streamed for t in x["tokens"]] == lp["tokens"]
     assert streamed[0]["token_logprobs"][0] is None
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_without_generating(api):
+    """What evaluation harnesses send for log-likelihoods: the prompt back, scored, nothing after it."""
+    request = {"model": NAME, "prompt": PROMPT, "echo": True, "logprobs": 2, "temperature": 0}
+    _, generating = post(url(api, "completions"), {**request, "max_tokens": 4})
+    status, body = post(url(api, "completions"), {**request, "max_tokens": 0})
+    assert status == 200, body
+    prompt_tokens = body["usage"]["prompt_tokens"]
+    assert prompt_tokens == generating["usage"]["prompt_tokens"] > 1
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+    choice = body["choices"][0]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    lp, full = choice["logprobs"], generating["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == prompt_tokens
+    assert lp["tokens"] == full["tokens"][:prompt_tokens]
+    assert lp["text_offset"] == full["text_offset"][:prompt_tokens]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(full["token_logprobs"][1:prompt_tokens], rel=0.02, abs=0.05)
+
+    events = sse_events(api, "completions", {**request, "max_tokens": 0, "stream": True,
+                                             "stream_options": {"include_usage": True}})
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    assert "".join(c["text"] for c in choices) == PROMPT
+    assert [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]] == lp["tokens"]
+    assert choices[-1]["finish_reason"] == "length"
+    assert events[-1]["usage"] == body["usage"]
+
+    _, plain = post(url(api, "completions"), {"model": NAME, "prompt": PROMPT, "echo": True, "max_tokens": 0, "n": 2})
+    assert [c["text"] for c in plain["choices"]] == [PROMPT, PROMPT]
+    assert all(c["logprobs"] is None for c in plain["choices"])
+    assert plain["usage"]["completion_tokens"] == 0
 
 
 def test_chat_logprobs_in_openai_shape(api):

@@ -72,6 +72,14 @@ def test_completions_create_streamed(sdk, server):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == GREEDY["max_tokens"]
 
 
+def test_completions_score_a_prompt_with_max_tokens_0(sdk):
+    r = sdk.completions.create(model=NAME, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == PROMPT and r.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+
+
 def test_chat_completions_create_equals_triton_generate(sdk, server, chat_prompt):
     r = sdk.chat.completions.create(model=NAME, messages=MESSAGES, **GREEDY)
     assert r.choices[0].message.role == "assistant"
