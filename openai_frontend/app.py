@@ -77,6 +77,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def completions(req: CompletionRequest, request: Request):
         check_model(req)
         prompts = _prompts(req.prompt)
+        echoed = [p if isinstance(p, str) else token_text.text(p) for p in prompts] if req.echo else None
         echo_only = req.max_tokens == 0
         if echo_only and not req.echo:
             raise bad_request("max_tokens 0 generates nothing: it needs echo (the prompt back, scored with logprobs)",
@@ -85,8 +86,8 @@ def create_app(settings: Settings) -> FastAPI:
         params = sampling_parameters(req, 1 if echo_only else req.max_tokens)
         if echo_only and params.get("min_tokens", 0) > 0:
             raise bad_request("min_tokens needs max_tokens above 0", param="min_tokens")
-        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", settings.name, prompts if req.echo else None, req.n,
-                               token_text, generated=not echo_only)
+        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", settings.name, echoed, req.n, token_text,
+                               generated=not echo_only)
         choices = [(p, s) for p in prompts for s in per_choice(params, req.n)]
         return await _respond(triton, request, req, fmt, choices)
 
@@ -176,21 +177,26 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def _prompts(prompt) -> list[str]:
-    if isinstance(prompt, str):
+def _prompts(prompt) -> list[str | list[int]]:
+    """A completion's prompts: a string, a list of token ids, or a list of either (one per prompt)."""
+    if isinstance(prompt, str) or (prompt and all(_is_token(t) for t in prompt)):
         prompts = [prompt]
-    elif prompt and all(isinstance(p, str) for p in prompt):
+    elif prompt and all(isinstance(p, str) or isinstance(p, list) for p in prompt):
         prompts = list(prompt)
-    elif not prompt:
-        raise bad_request("prompt must not be empty", param="prompt")
     else:
-        raise bad_request("token-id prompts are not supported: send text", param="prompt",
-                          code="unsupported_parameter")
+        raise bad_request("prompt must not be empty", param="prompt")
     for i, p in enumerate(prompts):
         if not p:
             raise bad_request("prompt must not be empty" if len(prompts) == 1 else f"prompt {i} is empty",
                               param="prompt")
+        if isinstance(p, list) and not all(_is_token(t) and 0 <= t < 2**31 for t in p):
+            raise bad_request(f"prompt {i} must be a string or a list of token ids (integers from 0)",
+                              param="prompt")
     return prompts
+
+
+def _is_token(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
 
 
 def _model_card(name: str, created: int) -> dict:

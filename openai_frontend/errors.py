@@ -46,6 +46,8 @@ def from_triton(message: str) -> APIError:
             listed = ", ".join(repr(n) for n in names)
             return bad_request(f"sampling parameter{'s' * (len(names) > 1)} {listed} not supported by this engine",
                                param=names[0], code="unsupported_parameter")
+        if text.startswith("prompt"):       # the engine's checks of the prompt (empty, too long, its token ids)
+            return bad_request(text, param="prompt")
         param = re.search(r"\b(\w+) must ", text)
         return bad_request(text, param=param.group(1) if param else None)
     if message.startswith("server overloaded"):

@@ -33,6 +33,13 @@ class TokenTexts:
             text = self.cache[token_id] = self.tokenizer.decode([token_id])
         return text
 
+    def text(self, token_ids: list[int]) -> str:
+        """A prompt of token ids as text (echo): the tokenizer's decoding of them together."""
+        try:
+            return self.tokenizer.decode(token_ids)
+        except (OverflowError, TypeError, ValueError, IndexError):    # ids the vocabulary lacks: the engine refuses them
+            return ""
+
 
 class CompletionFormat:
     object = chunk_object = "text_completion"

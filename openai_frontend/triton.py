@@ -98,7 +98,7 @@ class Triton:
     def mark_unready(self) -> None:
         self._ready_until = 0.0
 
-    def generate(self, prompt: str, sampling: dict, stream: bool, request_id: str) -> "Generation":
+    def generate(self, prompt: str | list[int], sampling: dict, stream: bool, request_id: str) -> "Generation":
         return Generation(self, prompt, sampling, stream, f"{request_id}-{next(self._ids)}")
 
     def keep(self, task: asyncio.Task) -> None:
@@ -109,7 +109,7 @@ class Triton:
 class Generation:
     """One request's responses: `await next()` gives a Chunk, or None after the final one."""
 
-    def __init__(self, triton: Triton, prompt: str, sampling: dict, stream: bool, request_id: str):
+    def __init__(self, triton: Triton, prompt: str | list[int], sampling: dict, stream: bool, request_id: str):
         self.triton = triton
         self.ended = False
         self._sent = asyncio.Event()       # set: the request side of the stream may close

@@ -1,13 +1,15 @@
 """Triton request -> GenerateRequest, following the tensor contract of Triton's vLLM backend.
 
-Inputs: text_input (STRING, required), stream (BOOL), sampling_parameters (STRING holding a
+Inputs: text_input (STRING) or input_ids (INT32/INT64, the prompt's token ids: one of the two),
+stream (BOOL), sampling_parameters (STRING holding a
 JSON object: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
 repetition_penalty, frequency_penalty, presence_penalty, min_p, min_tokens, logprobs, prompt_logprobs; the
 engine's SamplingParams checks them; and n, the number of choices, 1..MAX_CHOICES, each its own
 engine request, seeded seed, seed+1, ... when a seed is given),
 exclude_input_in_output, return_finish_reason, return_num_input_tokens, return_num_output_tokens
 (BOOL). Without a sampling_parameters tensor the request's parameters are used instead (what
-Triton's generate endpoint makes of `"parameters": {...}`).
+Triton's generate endpoint makes of `"parameters": {...}`). A prompt sent as token ids is never
+prepended to the output text (there is no text of it to prepend).
 """
 from __future__ import annotations
 
@@ -20,13 +22,14 @@ import numpy as np
 from python_backend.errors import BadRequest
 
 MAX_CHOICES = 16
+MAX_INPUT_IDS = 1 << 20       # beyond any context; the engine checks the model's own limit
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason",
          "return_num_input_tokens", "return_num_output_tokens")
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    prompt: str
+    prompt: str | list[int]
     stream: bool = False
     sampling: dict = field(default_factory=dict)   # for the engine's SamplingParams.from_dict
     exclude_input_in_output: bool = False
@@ -38,7 +41,7 @@ class GenerateRequest:
     @property
     def prepend_prompt(self) -> bool:
         """The vLLM backend returns prompt + completion unless streaming or told not to."""
-        return not self.stream and not self.exclude_input_in_output
+        return not self.stream and not self.exclude_input_in_output and isinstance(self.prompt, str)
 
 
 def parse_request(get_input: Callable[[str], "np.ndarray | None"], parameters: str | dict | None = None
@@ -46,7 +49,7 @@ def parse_request(get_input: Callable[[str], "np.ndarray | None"], parameters: s
     """`get_input(name)` gives an input tensor as numpy (None if absent); `parameters` are the
     request parameters (JSON text or dict). Raises BadRequest with a message for the client."""
     request_params = _request_parameters(parameters)
-    prompt = _text_input(get_input("text_input"))
+    prompt = _prompt(get_input("text_input"), get_input("input_ids"))
     flags = {}
     for name in FLAGS:
         array = get_input(name)
@@ -84,9 +87,31 @@ def _request_parameters(parameters) -> dict:
     return _json_object(parameters, "request parameters")
 
 
+def _prompt(text, ids) -> str | list[int]:
+    if text is not None and ids is not None:
+        raise BadRequest("send the prompt as 'text_input' or as 'input_ids', not both")
+    if ids is not None:
+        return _input_ids(ids)
+    if text is None:
+        raise BadRequest("missing input 'text_input' (a STRING tensor holding the prompt) or 'input_ids' "
+                         "(its token ids)")
+    return _text_input(text)
+
+
+def _input_ids(array) -> list[int]:
+    array = np.asarray(array)
+    if array.dtype.kind not in "iu":
+        raise BadRequest(f"'input_ids' must be an INT32 or INT64 tensor, got {array.dtype}")
+    if array.ndim > 2 or (array.ndim == 2 and array.shape[0] != 1):
+        raise BadRequest(f"'input_ids' must be one prompt: shape [N] or [1, N], got {list(array.shape)}")
+    if array.size == 0:
+        raise BadRequest("'input_ids' is empty")
+    if array.size > MAX_INPUT_IDS:
+        raise BadRequest(f"'input_ids' has {array.size} tokens, more than any context ({MAX_INPUT_IDS})")
+    return [int(t) for t in array.reshape(-1)]
+
+
 def _text_input(array) -> str:
-    if array is None:
-        raise BadRequest("missing input 'text_input' (a STRING tensor holding the prompt)")
     prompt = _single_string(array, "text_input")
     if not prompt:
         raise BadRequest("'text_input' is empty")

@@ -5,7 +5,8 @@ prompt and sampling parameters, and EngineHost.submit, which answers with their 
 Inputs are what Triton's python backend can hand over (numpy arrays of any dtype and shape, object
 arrays of bytes, strings, numbers, None) and arbitrary or extreme JSON (huge and non-finite numbers,
 deep nesting, wrong types, invalid UTF-8). Every outcome must be the project's error for bad input
-(BadRequest / InvalidRequestError, with a message) or a usable result: a non-empty str prompt, bool
+(BadRequest / InvalidRequestError, with a message) or a usable result: a non-empty prompt (text, or
+token ids as Python ints: the engine checks them against the vocabulary), bool
 flags, and SamplingParams that the engine's sampler accepts for a step.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from python_backend.request import FLAGS, GenerateRequest, parse_request
 
 FUZZ = settings(max_examples=200, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-NAMES = ("text_input", "sampling_parameters", *FLAGS)
+NAMES = ("text_input", "input_ids", "sampling_parameters", *FLAGS)
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
                  "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "min_tokens", "logprobs")
 
@@ -128,7 +129,7 @@ def test_parsing_gives_the_projects_error_or_a_usable_request(request):
         assert str(e)
         return
     assert isinstance(parsed, GenerateRequest)
-    assert isinstance(parsed.prompt, str) and parsed.prompt
+    assert parsed.prompt and (isinstance(parsed.prompt, str) or all(type(t) is int for t in parsed.prompt))
     assert all(isinstance(getattr(parsed, f), bool) for f in FLAGS)
     assert isinstance(parsed.sampling, dict)
     try:

@@ -114,6 +114,23 @@ def test_echo_prepends_the_prompt(api):
     assert echoed["choices"][0]["text"] == PROMPT + plain["choices"][0]["text"]
 
 
+def test_prompts_of_token_ids_complete_as_their_text(api, chat_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_model_dir)
+    other = "The quick brown fox"
+    ids, other_ids = tok(PROMPT)["input_ids"], tok(other)["input_ids"]
+    request = {"model": NAME, "max_tokens": 8, "temperature": 0}
+    _, by_text = post(url(api, "completions"), {**request, "prompt": [PROMPT, other]})
+    status, by_ids = post(url(api, "completions"), {**request, "prompt": [ids, other_ids]})
+    assert status == 200, by_ids
+    assert [c["text"] for c in by_ids["choices"]] == [c["text"] for c in by_text["choices"]]
+    assert by_ids["usage"] == by_text["usage"]
+    status, one = post(url(api, "completions"), {**request, "prompt": ids, "echo": True})
+    assert status == 200, one
+    assert one["choices"][0]["text"] == tok.decode(ids) + by_text["choices"][0]["text"]
+
+
 def test_chat_renders_the_checkpoint_template(api, server, chat_model_dir):
     from transformers import AutoTokenizer
 
@@ -215,7 +232,12 @@ GARBAGE = [
     ("completions", {**GOOD, "stop": 5}, 400, "stop"),
     ("completions", {**GOOD, "prompt": ""}, 400, "prompt"),
     ("completions", {**GOOD, "prompt": None}, 400, "prompt"),
-    ("completions", {**GOOD, "prompt": [1, 2, 3]}, 400, "prompt"),
+    ("completions", {**GOOD, "prompt": [-1, 2, 3]}, 400, "prompt"),
+    ("completions", {**GOOD, "prompt": [[1, 2], []]}, 400, "prompt"),
+    ("completions", {**GOOD, "prompt": [[1, 2], "x"]}, 400, "prompt"),
+    ("completions", {**GOOD, "prompt": [1, 2**40]}, 400, "prompt"),
+    ("completions", {**GOOD, "prompt": [1, 10**9]}, 400, "prompt"),                 # beyond the vocabulary: the engine's check
+    ("completions", {**GOOD, "prompt": [1.5, 2]}, 400, "prompt"),
     ("completions", {**GOOD, "logprobs": 21}, 400, "logprobs"),
     ("completions", {**GOOD, "logprobs": -1}, 400, "logprobs"),
     ("completions", {**GOOD, "logprobs": "two"}, 400, "logprobs"),
@@ -410,6 +432,8 @@ def test_engine_messages_map_to_openai_errors():
     assert "'frequency_penalty', 'min_p'" in e.message and "not supported" in e.message
     e = from_triton("invalid request: top_k must be an integer >= 1, or 0 / -1 for off, got 'x'")
     assert (e.status, e.param) == (400, "top_k")
+    e = from_triton("invalid request: prompt token ids must be integers in [0, 320); got [1000000000]")
+    assert (e.status, e.param) == (400, "prompt")
     assert from_triton("server overloaded, retry later: 9 requests are waiting").status == 503
     assert from_triton("model unavailable: engine is not healthy").status == 503
     assert from_triton("internal error: KeyError: 3").status == 500

@@ -177,6 +177,13 @@ def test_parse_full_request():
     assert parse_request(inputs(text_input="hi")).prepend_prompt
 
 
+def test_parse_takes_a_prompt_of_token_ids_and_never_prepends_it():
+    for ids in (np.array([5, 6, 7], dtype=np.int64), np.array([[5, 6, 7]], dtype=np.int32)):
+        r = parse_request(inputs(input_ids=ids))
+        assert r.prompt == [5, 6, 7] and all(type(t) is int for t in r.prompt)
+        assert not r.prepend_prompt       # no text of it to prepend, streamed or not
+
+
 def test_parse_takes_request_parameters_without_sampling_tensor():
     r = parse_request(inputs(text_input="hi"), json.dumps({"max_tokens": 3, "stream": True, "triton_x": 1}))
     assert r.stream and r.sampling == {"max_tokens": 3}
@@ -187,6 +194,14 @@ def test_parse_takes_request_parameters_without_sampling_tensor():
 
 @pytest.mark.parametrize("tensors, params, message", [
     (dict(), None, "missing input 'text_input'"),
+    (dict(text_input="hi", input_ids=np.array([1, 2])), None, "not both"),
+    (dict(input_ids=np.array([], dtype=np.int64)), None, "'input_ids' is empty"),
+    (dict(input_ids=np.array([1.0, 2.0])), None, "must be an INT32 or INT64"),
+    (dict(input_ids=np.array([True, False])), None, "must be an INT32 or INT64"),
+    (dict(input_ids=np.array([b"1"], dtype=np.object_)), None, "must be an INT32 or INT64"),
+    (dict(input_ids=np.array([[1, 2], [3, 4]])), None, "one prompt"),
+    (dict(input_ids=np.zeros((1, 1, 2), dtype=np.int64)), None, "one prompt"),
+    (dict(input_ids=np.zeros((1 << 20) + 1, dtype=np.int32)), None, "more than any context"),
     (dict(text_input=""), None, "'text_input' is empty"),
     (dict(text_input=b"\xff\xfeab"), None, "not valid UTF-8"),
     (dict(text_input=np.array([b"a", b"b"], dtype=np.object_)), None, "exactly one element"),

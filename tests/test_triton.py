@@ -116,6 +116,21 @@ def test_http_generate_and_generate_stream(server):
     assert "".join(e["text_output"] for e in events) == expected
 
 
+def test_a_prompt_of_token_ids_generates_as_its_text(server, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tiny_model_dir)(PROMPT)["input_ids"]
+    expected = text(generate(server, PROMPT))
+    streamed = generate(server, ids, return_num_input_tokens=True)
+    assert text(streamed) == expected and expected
+    assert streamed[0]["num_input_tokens"] == len(ids)
+    (whole,) = generate(server, ids, stream=False)       # never prepended: there is no text of it
+    assert whole["text_output"] == expected
+    status, body = http_post(server, "generate", {"input_ids": ids, "parameters": GREEDY})
+    assert status == 200, body
+    assert json.loads(body)["text_output"] == expected
+
+
 def test_16_concurrent_streams_equal_one_by_one(server):
     prompts = [f"Request {i}: the quick brown fox {'jumps ' * (i % 4)}" for i in range(16)]
     one_by_one = [text(generate(server, p)) for p in prompts]
@@ -211,6 +226,12 @@ BAD = {
     "non-UTF-8 bytes": ([bytes_tensor("text_input", b"\xff\xfe\xc3(")], "UTF-8"),
     "empty string": ([bytes_tensor("text_input", b"")], "empty"),
     "two prompts": ([tensor("text_input", np.array([b"a", b"b"], dtype=np.object_), "BYTES")], "text_input"),
+    "text and ids": ([bytes_tensor("text_input", b"hi"), tensor("input_ids", np.array([5, 6]), "INT64")], "not both"),
+    "float ids": ([tensor("input_ids", np.array([5.0, 6.0], dtype=np.float32), "FP32")], "input_ids"),
+    "ids beyond the vocabulary": ([tensor("input_ids", np.array([5, 10**9]), "INT64")], "token ids"),
+    "negative ids": ([tensor("input_ids", np.array([-1, 5]), "INT64")], "token ids"),
+    "no ids": ([tensor("input_ids", np.zeros(0, dtype=np.int64), "INT64")], "input_ids"),
+    "ids of two prompts": ([tensor("input_ids", np.array([[5, 6], [7, 8]]), "INT64")], "input_ids"),
 }
 
 

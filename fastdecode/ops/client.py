@@ -22,9 +22,11 @@ class GenerationError(RuntimeError):
     pass
 
 
-def build_inputs(prompt: str, sampling: dict | None = None, stream: bool = True, extra: dict | None = None):
-    """The vLLM-backend tensors: text_input, stream, sampling_parameters, and BOOL flags in `extra`
-    (exclude_input_in_output, return_finish_reason, return_num_input_tokens, ...)."""
+def build_inputs(prompt: str | list[int], sampling: dict | None = None, stream: bool = True,
+                 extra: dict | None = None):
+    """The vLLM-backend tensors: text_input (input_ids for a prompt of token ids), stream,
+    sampling_parameters, and BOOL flags in `extra` (exclude_input_in_output, return_finish_reason,
+    return_num_input_tokens, ...)."""
     import tritonclient.grpc as grpcclient
 
     def tensor(name, array, dtype):
@@ -32,8 +34,11 @@ def build_inputs(prompt: str, sampling: dict | None = None, stream: bool = True,
         t.set_data_from_numpy(array)
         return t
 
-    inputs = [tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
-              tensor("stream", np.array([stream]), "BOOL")]
+    if isinstance(prompt, str):
+        first = tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES")
+    else:
+        first = tensor("input_ids", np.array(prompt, dtype=np.int64), "INT64")
+    inputs = [first, tensor("stream", np.array([stream]), "BOOL")]
     if sampling:
         inputs.append(tensor("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES"))
     for name, value in (extra or {}).items():
