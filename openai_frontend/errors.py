@@ -46,8 +46,9 @@ def from_triton(message: str) -> APIError:
             listed = ", ".join(repr(n) for n in names)
             return bad_request(f"sampling parameter{'s' * (len(names) > 1)} {listed} not supported by this engine",
                                param=names[0], code="unsupported_parameter")
-        if text.startswith("prompt"):       # the engine's checks of the prompt (empty, too long, its token ids)
-            return bad_request(text, param="prompt")
+        for name in ("prompt", "logit_bias"):    # the engine's checks of these (the prompt: empty, too long, ids)
+            if text.startswith(name):
+                return bad_request(text, param=name)
         param = re.search(r"\b(\w+) must ", text)
         return bad_request(text, param=param.group(1) if param else None)
     if message.startswith("server overloaded"):

@@ -12,7 +12,7 @@ def sampling_parameters(req: SamplingRequest, max_tokens: int | None) -> dict:
     refuse_unsupported(req)
     params = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
               "stop": req.stop, "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
-              "logprobs": num_logprobs(req)}
+              "logprobs": num_logprobs(req), "logit_bias": req.logit_bias or None}
     if isinstance(req, CompletionRequest) and req.echo:
         params["prompt_logprobs"] = req.logprobs      # the echoed prompt's tokens get theirs too
     extra = req.model_extra or {}
@@ -40,9 +40,6 @@ def per_choice(params: dict, n: int) -> list[dict]:
 
 
 def refuse_unsupported(req: SamplingRequest) -> None:
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this engine", param="logit_bias",
-                          code="unsupported_parameter")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix", code="unsupported_parameter")

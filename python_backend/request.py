@@ -1,15 +1,15 @@
 """Triton request -> GenerateRequest, following the tensor contract of Triton's vLLM backend.
 
 Inputs: text_input (STRING) or input_ids (INT32/INT64, the prompt's token ids: one of the two),
-stream (BOOL), sampling_parameters (STRING holding a
-JSON object: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
-repetition_penalty, frequency_penalty, presence_penalty, min_p, min_tokens, logprobs, prompt_logprobs; the
-engine's SamplingParams checks them; and n, the number of choices, 1..MAX_CHOICES, each its own
-engine request, seeded seed, seed+1, ... when a seed is given),
-exclude_input_in_output, return_finish_reason, return_num_input_tokens, return_num_output_tokens
-(BOOL). Without a sampling_parameters tensor the request's parameters are used instead (what
-Triton's generate endpoint makes of `"parameters": {...}`). A prompt sent as token ids is never
-prepended to the output text (there is no text of it to prepend).
+stream (BOOL), sampling_parameters (STRING holding a JSON object: max_tokens, temperature, top_p,
+top_k, seed, stop, stop_token_ids, ignore_eos, repetition_penalty, frequency_penalty,
+presence_penalty, min_p, min_tokens, logit_bias, logprobs, prompt_logprobs; the engine's
+SamplingParams checks them; and n, the number of choices, 1..MAX_CHOICES, each its own engine
+request, seeded seed, seed+1, ... when a seed is given), exclude_input_in_output,
+return_finish_reason, return_num_input_tokens, return_num_output_tokens (BOOL). Without a
+sampling_parameters tensor the request's parameters are used instead (what Triton's generate
+endpoint makes of `"parameters": {...}`). A prompt sent as token ids is never prepended to the
+output text (there is no text of it to prepend).
 """
 from __future__ import annotations
 

@@ -253,6 +253,11 @@ GARBAGE = [
     ("completions", {**GOOD, "model": "gpt-4"}, 404, "model"),
     ("completions", {**GOOD, "stream": "yes please"}, 400, "stream"),
     ("completions", {**GOOD, "top_k": "x"}, 400, "top_k"),           # the engine's own check, relayed
+    ("completions", {**GOOD, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("completions", {**GOOD, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("completions", {**GOOD, "logit_bias": {"5": "high"}}, 400, "logit_bias"),
+    ("completions", {**GOOD, "logit_bias": {"100000": 1}}, 400, "logit_bias"),     # beyond the vocabulary
+    ("completions", {**GOOD, "logit_bias": [5]}, 400, "logit_bias"),
     ("chat/completions", {**GOOD_CHAT, "messages": []}, 400, "messages"),
     ("chat/completions", {**GOOD_CHAT, "messages": "hi"}, 400, "messages"),
     ("chat/completions", {**GOOD_CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
@@ -311,6 +316,34 @@ def test_sampling_parameter_served_as_the_engine_applies_it(api, server, param, 
     noop = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0}
     status, body = post(url(api, "completions"), {**GOOD, param: noop[param]})
     assert status == 200, body
+
+
+def test_logit_bias_forces_and_bans_tokens(api, server, chat_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_model_dir)
+    request = {"model": NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    status, forced = post(url(api, "completions"), {**request, "logit_bias": {"17": 100}})
+    assert status == 200, forced
+    assert forced["choices"][0]["text"] == tok.decode([17] * 4)
+    status, body = post(f"http://{server.http_url}/v2/models/fastdecode/generate",    # Triton's own endpoint
+                        {"text_input": PROMPT, "exclude_input_in_output": True, "sampling_parameters":
+                         json.dumps({"max_tokens": 4, "temperature": 0, "logit_bias": {"17": 100}})})
+    assert status == 200 and body["text_output"] == forced["choices"][0]["text"], body
+    _, plain = post(url(api, "completions"), request)
+    _, ids = post(f"http://{server.http_url}/v2/models/fastdecode/generate",
+                  {"text_input": PROMPT, "exclude_input_in_output": True,
+                   "sampling_parameters": json.dumps({"max_tokens": 4, "temperature": 0, "logprobs": 0})})
+    entries = json.loads(ids["logprobs"])
+    assert tok.decode([e["token_id"] for e in entries]) == plain["choices"][0]["text"]
+    first = entries[0]["token_id"]
+    _, banned = post(url(api, "completions"), {**request, "logit_bias": {str(first): -100}})
+    assert banned["choices"][0]["text"] != plain["choices"][0]["text"]
+    chat = {"model": NAME, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "temperature": 0,
+            "logit_bias": {"17": 100}}
+    status, body = post(url(api, "chat/completions"), chat)
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == tok.decode([17] * 3)
 
 
 def test_completion_logprobs_in_openai_shape(api):

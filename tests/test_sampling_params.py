@@ -1,5 +1,5 @@
 """vLLM's sampling parameters beyond temperature/top-k/top-p: repetition, frequency and presence
-penalties, min_p, min_tokens and logprobs, each compared with its definition written inline in
+penalties, min_p, min_tokens, logit_bias and logprobs, each compared with its definition written inline in
 plain torch (and with transformers' logits processors where it has one); garbage is refused."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fastdecode.engine import InvalidRequestError, SamplingParams
-from fastdecode.engine.sampling import (TokenHistory, apply_min_p, apply_min_tokens, apply_penalties, sample,
-                                        token_logprobs)
+from fastdecode.engine.sampling import (TokenHistory, apply_logit_bias, apply_min_p, apply_min_tokens,
+                                        apply_penalties, sample, token_logprobs)
 
 V = 40
 
@@ -222,6 +222,41 @@ def test_logprobs_of_raw_logits():
         assert len(out[i].top) == n
 
 
+def test_logit_bias_adds_to_its_tokens_logits():
+    torch.manual_seed(1)
+    logits = torch.randn(3, V) * 3
+    params = [SamplingParams(logit_bias={"3": 5.5, 7: -100}), SamplingParams(), SamplingParams(logit_bias={39: 0.25})]
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        ref = x.float().clone()
+        ref[0, 3] += 5.5
+        ref[0, 7] -= 100
+        ref[2, 39] += 0.25
+        apply_logit_bias(x, params)
+        assert torch.equal(x, ref.to(dtype))
+
+
+def test_logit_bias_steers_greedy_and_sampled_rows():
+    torch.manual_seed(2)
+    logits = torch.randn(4, V) * 3
+    logits[2, 5] = logits[2, 11] = 1.0       # equally likely once the rest is banned
+    top = logits.argmax(-1)
+    keep = {5: 0.0, 11: 0.0}
+    ban_all_but = {t: -100 for t in range(V) if t not in keep}
+    params = [SamplingParams(temperature=0, logit_bias={int(top[0]): -100}),    # greedy: the runner-up
+              SamplingParams(temperature=0, logit_bias={9: 100}),               # greedy: forced
+              SamplingParams(temperature=1.0, logit_bias=ban_all_but),          # sampled: only 5 or 11
+              SamplingParams(temperature=0.7, top_k=30, logit_bias={9: 100})]  # the float32 path: forced
+    seen = set()
+    for seed in range(40):
+        gens = [None, None, torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)]
+        tokens = sample(logits, params, gens)
+        assert int(tokens[0]) == int(logits[0].topk(2).indices[1]) and int(tokens[1]) == 9 and int(tokens[3]) == 9
+        seen.add(int(tokens[2]))
+    assert seen == {5, 11}
+    assert torch.equal(logits.argmax(-1), top)      # the caller's logits are left alone
+
+
 # ---- validation
 
 def test_new_params_accepted_from_json():
@@ -232,6 +267,9 @@ def test_new_params_accepted_from_json():
                                       "presence_penalty": None, "min_p": None, "min_tokens": None, "logprobs": None})
     assert nulls == SamplingParams() and not nulls.adjusts and not nulls.needs_history
     assert SamplingParams(min_p=0.1).adjusts and not SamplingParams(min_p=0.1).needs_history
+    bias = SamplingParams.from_dict({"logit_bias": {"7": 3, "5": -2.5, 9: 0}})
+    assert bias.logit_bias == ((5, -2.5), (7, 3.0), (9, 0.0)) and bias.adjusts and not bias.needs_history
+    assert SamplingParams.from_dict({"logit_bias": None}).logit_bias == () == SamplingParams(logit_bias={}).logit_bias
 
 
 NAN, INF = float("nan"), float("inf")
@@ -252,6 +290,13 @@ NAN, INF = float("nan"), float("inf")
     ({"min_tokens": True}, "min_tokens"), ({"min_tokens": 17, "max_tokens": 16}, "min_tokens"),
     ({"logprobs": -1}, "logprobs"), ({"logprobs": 21}, "logprobs"), ({"logprobs": 2.0}, "logprobs"),
     ({"logprobs": True}, "logprobs"), ({"logprobs": "5"}, "logprobs"),
+    ({"logit_bias": "x"}, "logit_bias"), ({"logit_bias": [1, 2]}, "logit_bias"), ({"logit_bias": 3}, "logit_bias"),
+    ({"logit_bias": {"a": 1}}, "logit_bias"), ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"1.5": 1}}, "logit_bias"), ({"logit_bias": {"9" * 30: 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"5": -100.5}}, "logit_bias"),
+    ({"logit_bias": {"5": NAN}}, "logit_bias"), ({"logit_bias": {"5": INF}}, "logit_bias"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias"), ({"logit_bias": {"5": True}}, "logit_bias"),
+    ({"logit_bias": {"5": None}}, "logit_bias"), ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
 ])
 def test_garbage_is_refused_with_the_parameter_named(bad, name):
     with pytest.raises(InvalidRequestError, match=name):
@@ -295,6 +340,18 @@ def test_engine_greedy_with_penalties_equals_reference_decoding(engine, tiny_mod
     plain, _ = run(engine, prompt, temperature=0, max_tokens=10, ignore_eos=True)
     assert got == out
     assert got != plain
+
+
+def test_engine_logit_bias_bans_and_forces_tokens(engine):
+    prompt = "Once upon a time"
+    plain, outs = run(engine, prompt, temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    runner_up = outs[0].logprobs[0].top[1][0]
+    banned, _ = run(engine, prompt, temperature=0, max_tokens=6, ignore_eos=True, logit_bias={plain[0]: -100})
+    assert banned[0] == runner_up and plain[0] not in banned
+    forced, _ = run(engine, prompt, temperature=0.8, seed=1, max_tokens=6, ignore_eos=True, logit_bias={"17": 100})
+    assert forced == [17] * 6
+    with pytest.raises(InvalidRequestError, match="logit_bias token id"):
+        engine.add_request(prompt, SamplingParams(logit_bias={engine.args.vocab_size: 1}))
 
 
 def test_engine_min_tokens_holds_off_stop_tokens_and_strings(engine):

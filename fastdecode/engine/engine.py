@@ -98,6 +98,9 @@ class Engine:
         elif not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
         prompt_ids = tokenize_prompt(prompt, self.tokenizer, self.args.vocab_size, self.max_model_len)
+        if params.logit_bias and params.logit_bias[-1][0] >= self.args.vocab_size:
+            raise InvalidRequestError(f"logit_bias token id {params.logit_bias[-1][0]} is not in the vocabulary "
+                                      f"[0, {self.args.vocab_size})")
         if (why := self.kv.too_long(len(prompt_ids))) is not None:
             raise InvalidRequestError(f"prompt too long: {why}")
         request_id = str(request_id) if request_id is not None else uuid.uuid4().hex

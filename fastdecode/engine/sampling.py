@@ -13,7 +13,7 @@ tokens on every device the logits may live on.
 
 vLLM's other common parameters change the logits of the rows that ask for them, in vLLM's order:
 min_tokens masks the stop tokens (EOS unless ignore_eos, and stop_token_ids) while fewer tokens
-were generated; repetition_penalty divides a positive logit (multiplies a negative one) of every
+were generated; logit_bias adds its value to its tokens' logits; repetition_penalty divides a positive logit (multiplies a negative one) of every
 token seen in the prompt or the output; frequency_penalty and presence_penalty subtract
 f * count + p * (count > 0) over the output's tokens; then temperature; then min_p drops tokens
 whose probability is below min_p times the largest; then top-k and top-p. A greedy row takes the
@@ -53,6 +53,7 @@ class SamplingParams:
     min_tokens: int = 0                # stop tokens and stop strings ignored before this many tokens
     logprobs: int | None = None        # 0..MAX_LOGPROBS: the sampled token's logprob and this many top ones
     prompt_logprobs: int | None = None  # 0..MAX_LOGPROBS: each prompt token's logprob and this many top ones
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit); a {id: bias} dict is accepted
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -67,6 +68,7 @@ class SamplingParams:
         check(isinstance(ids, (list, tuple)), f"stop_token_ids must be a list of integers, got {type(ids).__name__}")
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         for name, off in (("top_k", 0), ("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
                           ("presence_penalty", 0.0), ("min_p", 0.0), ("min_tokens", 0)):
             if getattr(self, name) is None:          # JSON null = the default
@@ -109,7 +111,7 @@ class SamplingParams:
         # flags the sampler scans every step (not dataclass fields: not parameters, not compared)
         object.__setattr__(self, "penalized", penalized)
         object.__setattr__(self, "needs_history", penalized or self.min_tokens > 0)
-        object.__setattr__(self, "adjusts", penalized or self.min_tokens > 0 or self.min_p > 0)
+        object.__setattr__(self, "adjusts", penalized or self.min_tokens > 0 or self.min_p > 0 or bool(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -128,6 +130,32 @@ class SamplingParams:
 
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024       # entries of one request's logit_bias
+LOGIT_BIAS_LIMIT = 100.0    # OpenAI's range: -100 bans a token, +100 all but forces it
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """{token id (int, or its decimal string as JSON keys are): bias} or (id, bias) pairs -> sorted pairs."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(x, (list, tuple)) and len(x) == 2 for x in value):
+        items = [tuple(x) for x in value]
+    else:
+        raise InvalidRequestError(f"logit_bias must be an object mapping token ids to numbers, got {value!r:.100}")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"logit_bias has {len(items)} entries, more than {MAX_LOGIT_BIAS}")
+    out: dict[int, float] = {}
+    for key, bias in items:
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() and len(key) < 20 else key
+        if not _is_int(token) or not 0 <= token < 2**31:
+            raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {key!r:.40}")
+        if not _is_num(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise InvalidRequestError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, "
+                                      f"{LOGIT_BIAS_LIMIT:g}], got {bias!r:.40} for token {token}")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
 FLOAT32_MIN_NORMAL, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
 
 
@@ -266,6 +294,7 @@ def _sample_adjusted(logits, params, generators, histories, eos_token_ids) -> to
     if not fusable:
         x = x.float()
     apply_min_tokens(x, ps, hs, eos_token_ids)
+    apply_logit_bias(x, ps)
     apply_penalties(x, ps, hs)
     greedy = [j for j, p in enumerate(ps) if p.greedy]
     if len(greedy) == len(rows):
@@ -315,6 +344,21 @@ def apply_min_tokens(x: torch.Tensor, params: list[SamplingParams], histories: l
             ids += stop
     if ids:
         x[torch.tensor(rows, device=x.device), torch.tensor(ids, device=x.device)] = float("-inf")
+
+
+def apply_logit_bias(x: torch.Tensor, params: list[SamplingParams]) -> None:
+    """In place: each row's logit_bias added to its tokens' logits (in float32, stored in x's dtype)."""
+    rows, ids, biases = [], [], []
+    for j, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            rows.append(j)
+            ids.append(token)
+            biases.append(bias)
+    if not ids:
+        return
+    r, t = torch.tensor(rows, device=x.device), torch.tensor(ids, device=x.device)
+    b = torch.tensor(biases, dtype=torch.float32, device=x.device)
+    x[r, t] = (x[r, t].float() + b).to(x.dtype)
 
 
 def apply_penalties(x: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory | None]) -> None:
