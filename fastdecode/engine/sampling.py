@@ -13,16 +13,17 @@ tokens on every device the logits may live on.
 
 vLLM's other common parameters change the logits of the rows that ask for them, in vLLM's order:
 min_tokens masks the stop tokens (EOS unless ignore_eos, and stop_token_ids) while fewer tokens
-were generated; logit_bias adds its value to its tokens' logits; repetition_penalty divides a positive logit (multiplies a negative one) of every
-token seen in the prompt or the output; frequency_penalty and presence_penalty subtract
-f * count + p * (count > 0) over the output's tokens; then temperature; then min_p drops tokens
-whose probability is below min_p times the largest; then top-k and top-p. A greedy row takes the
-argmax of its penalized logits. Only those rows take that path, on a copy of their logits (their
-token history, kept by Sequence, gives the counts; the penalties touch only the tokens seen);
-where the logits are bf16 on the CPU, the penalized copy stays bf16 (each penalized logit rounded
-once) and the fused kernels sample it, min_p as a cut at max(x) + T * ln(min_p), unless top-k or
-top-p ask for the float32 path. A batch where no row asks for any of this samples as before, at
-the cost of one scan of the rows' flags. Logprobs (token_logprobs) are those of the raw logits.
+were generated; logit_bias adds its value to its tokens' logits; repetition_penalty divides a
+positive logit (multiplies a negative one) of every token seen in the prompt or the output;
+frequency_penalty and presence_penalty subtract f * count + p * (count > 0) over the output's
+tokens; then temperature; then min_p drops tokens whose probability is below min_p times the
+largest; then top-k and top-p. A greedy row takes the argmax of its penalized logits. Only those
+rows take that path, on a copy of their logits (their token history, kept by Sequence, gives the
+counts; the penalties touch only the tokens seen); where the logits are bf16 on the CPU, the
+penalized copy stays bf16 (each penalized logit rounded once) and the fused kernels sample it,
+min_p as a cut at max(x) + T * ln(min_p), unless top-k or top-p ask for the float32 path. A batch
+where no row asks for any of this samples as before, at the cost of one scan of the rows' flags.
+Logprobs (token_logprobs) are those of the raw logits.
 """
 from __future__ import annotations
 
@@ -132,6 +133,23 @@ class SamplingParams:
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024       # entries of one request's logit_bias
 LOGIT_BIAS_LIMIT = 100.0    # OpenAI's range: -100 bans a token, +100 all but forces it
+FLOAT32_MIN_NORMAL, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_finite(x) -> bool:
+    """math.isfinite, False (not OverflowError) for an int beyond float's range."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _logit_bias(value) -> tuple[tuple[int, float], ...]:
@@ -156,23 +174,6 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
                                       f"{LOGIT_BIAS_LIMIT:g}], got {bias!r:.40} for token {token}")
         out[token] = float(bias)
     return tuple(sorted(out.items()))
-FLOAT32_MIN_NORMAL, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _is_finite(x) -> bool:
-    """math.isfinite, False (not OverflowError) for an int beyond float's range."""
-    try:
-        return math.isfinite(x)
-    except OverflowError:
-        return False
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
