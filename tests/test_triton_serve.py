@@ -54,7 +54,8 @@ def test_shipped_config_builds_the_default_engine_config():
     config = parse_config(text)
     assert config.model_transaction_policy.decoupled and config.backend == "python"
     assert [g.count for g in config.instance_group] == [1]
-    assert [i.name for i in config.input][:3] == ["text_input", "stream", "sampling_parameters"]
+    assert [i.name for i in config.input][:4] == ["text_input", "input_ids", "stream", "sampling_parameters"]
+    assert all(i.optional for i in config.input)        # the prompt comes as text_input or as input_ids
     assert [o.name for o in config.output] == ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
                                                  "logprobs", "prompt_logprobs"]
 
