@@ -178,7 +178,8 @@ async def _disconnect(request: Request) -> None:
 
 
 def _prompts(prompt) -> list[str | list[int]]:
-    """A completion's prompts: a string, a list of token ids, or a list of either (one per prompt)."""
+    """A completion's prompts: a string, a list of token ids, or a list of strings or of token-id
+    lists (one per prompt; the request model refuses a list mixing the two, as OpenAI's API does)."""
     if isinstance(prompt, str) or (prompt and all(_is_token(t) for t in prompt)):
         prompts = [prompt]
     elif prompt and all(isinstance(p, str) or isinstance(p, list) for p in prompt):

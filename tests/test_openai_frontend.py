@@ -235,6 +235,7 @@ GARBAGE = [
     ("completions", {**GOOD, "prompt": [-1, 2, 3]}, 400, "prompt"),
     ("completions", {**GOOD, "prompt": [[1, 2], []]}, 400, "prompt"),
     ("completions", {**GOOD, "prompt": [[1, 2], "x"]}, 400, "prompt"),
+    ("completions", {**GOOD, "prompt": ["x", [1, 2]]}, 400, "prompt"),
     ("completions", {**GOOD, "prompt": [1, 2**40]}, 400, "prompt"),
     ("completions", {**GOOD, "prompt": [1, 10**9]}, 400, "prompt"),                 # beyond the vocabulary: the engine's check
     ("completions", {**GOOD, "prompt": [1.5, 2]}, 400, "prompt"),
