@@ -108,7 +108,7 @@ def _input_ids(array) -> list[int]:
         raise BadRequest("'input_ids' is empty")
     if array.size > MAX_INPUT_IDS:
         raise BadRequest(f"'input_ids' has {array.size} tokens, more than any context ({MAX_INPUT_IDS})")
-    return [int(t) for t in array.reshape(-1)]
+    return array.reshape(-1).tolist()     # Python ints
 
 
 def _text_input(array) -> str:
