@@ -1,16 +1,16 @@
 """Engine RequestOutputs -> Triton output tensors (vLLM backend contract).
 
 Outputs: text_output (STRING), finish_reason (STRING), num_input_tokens (UINT32),
-num_output_tokens (UINT32), and logprobs (STRING) only when sampling_parameters has "logprobs":
-a JSON list with one entry per token of the response, {"token_id", "logprob", "top_logprobs":
+num_output_tokens (UINT32), and logprobs (STRING) only when sampling_parameters has "logprobs": a
+JSON list with one entry per token of the response, {"token_id", "logprob", "top_logprobs":
 [{"token_id", "logprob"}, ...] (best first, as many as asked)}; log probabilities of the model's
 raw distribution, -inf written as -9999.0; prompt_logprobs (STRING) only when sampling_parameters
 has "prompt_logprobs", on the first response of each choice: the same entries, one per prompt
-token, the first with "logprob" null and no "top_logprobs". Streaming: one response per text delta (the engine never splits a
-UTF-8 character, so neither do we); num_output_tokens counts the tokens since the previous
-response. Not streaming: one response with the whole text (prompt first unless
-exclude_input_in_output) and the total token count. With "n" in sampling_parameters, every
-tensor holds n elements, one per choice.
+token, the first with "logprob" null and no "top_logprobs". Streaming: one response per text delta
+(the engine never splits a UTF-8 character, so neither do we); num_output_tokens counts the tokens
+since the previous response. Not streaming: one response with the whole text (prompt first unless
+exclude_input_in_output) and the total token count. With "n" in sampling_parameters, every tensor
+holds n elements, one per choice.
 """
 from __future__ import annotations
 
@@ -87,20 +87,21 @@ class ResponseBuilder:
         if r.return_num_output_tokens:
             outputs["num_output_tokens"] = np.array(num_output, dtype=np.uint32)
         if self.logprobs is not None:
-            lists = [self.logprobs[i] if only is None or i == only else [] for i in range(len(texts))]
-            outputs["logprobs"] = np.array([json.dumps(x).encode() for x in lists], dtype=np.object_)
-            for i in range(len(texts)):
-                if only is None or i == only:
-                    self.logprobs[i] = []
+            outputs["logprobs"] = _take_json(self.logprobs, only, list)
         if self.prompt_logprobs is not None and any(
                 x is not None for i, x in enumerate(self.prompt_logprobs) if only is None or i == only):
-            outputs["prompt_logprobs"] = np.array(
-                [json.dumps(x if (only is None or i == only) and x is not None else []).encode()
-                 for i, x in enumerate(self.prompt_logprobs)], dtype=np.object_)
-            for i in range(len(texts)):
-                if only is None or i == only:
-                    self.prompt_logprobs[i] = None
+            outputs["prompt_logprobs"] = _take_json(self.prompt_logprobs, only, lambda: None)
         return outputs
+
+
+def _take_json(per_choice: list, only: int | None, empty) -> np.ndarray:
+    """One JSON element per choice: what the choices this response is about hold (they start over
+    at empty()), [] for the others."""
+    taken = [x if (only is None or i == only) and x is not None else [] for i, x in enumerate(per_choice)]
+    for i in range(len(per_choice)):
+        if only is None or i == only:
+            per_choice[i] = empty()
+    return np.array([json.dumps(x).encode() for x in taken], dtype=np.object_)
 
 
 def _finite(x: float) -> float:
