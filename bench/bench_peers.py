@@ -159,7 +159,9 @@ def run_openai(url: str, model: str, work: list[tuple[str, int]], seq_len: int) 
 
     async def run() -> dict:
         limits = httpx.Limits(max_connections=len(work) + 8, max_keepalive_connections=len(work) + 8)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as c:
+        key = os.environ.get("FASTDECODE_API_KEY")       # the frontend started beside Triton wants it too
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits, headers=headers) as c:
             line = Timeline()
             await asyncio.gather(*(one(c, i, text, new, line) for i, (text, new) in enumerate(work)))
         return line.summary(len(work), seq_len)

@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+
+
+def valid_key(key: str) -> bool:
+    """What an HTTP header carries as is: the SDKs send the key verbatim after 'Bearer '."""
+    return bool(key) and all(33 <= ord(c) <= 126 for c in key)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,15 +24,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="chat completions without max_tokens (default: the model's context length)")
+    p.add_argument("--api-key", default=os.environ.get("FASTDECODE_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $FASTDECODE_API_KEY; "
+                        "unset = no key)")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
+    if args.api_key is not None and not valid_key(args.api_key):
+        p.error("--api-key / FASTDECODE_API_KEY must be printable ASCII without spaces")
 
     import uvicorn
 
     from openai_frontend.app import Settings, create_app
 
     app = create_app(Settings(triton_url=args.triton_url, model_dir=args.model_dir, model=args.model,
-                              served_model_name=args.served_model_name, default_max_tokens=args.default_max_tokens))
+                              served_model_name=args.served_model_name, default_max_tokens=args.default_max_tokens,
+                              api_key=args.api_key))
     print(f"openai_frontend: serving {app.title} at http://{args.host}:{args.port}/v1 "
           f"(Triton {args.triton_url}, model {args.model})", flush=True)
     # uvicorn shuts down gracefully on SIGTERM, then raises it again to the handler it found: exit 0

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from openai_frontend import errors
+from openai_frontend.auth import BearerAuth
 from openai_frontend.chat import ChatTemplate
 from openai_frontend.errors import APIError, bad_request
 from openai_frontend.generation import Run
@@ -29,6 +30,7 @@ class Settings:
     model: str = "fastdecode"                # the Triton model
     served_model_name: str | None = None     # what clients call it; default: the model dir's name
     default_max_tokens: int | None = None    # chat without max_tokens; default: the model's context length
+    api_key: str | None = None               # required as a Bearer token on /v1 routes when set
 
     @property
     def name(self) -> str:
@@ -49,6 +51,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="fastdecode OpenAI-compatible API", lifespan=lifespan)
     app.add_middleware(JSONBodies)
+    if settings.api_key:
+        app.add_middleware(BearerAuth, api_key=settings.api_key)
     errors.install(app)
     app.state.triton = triton
 

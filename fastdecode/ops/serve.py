@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -102,9 +103,10 @@ def cmd_start(args) -> int:
         except RuntimeError as e:
             print(f"\nfastdecode.ops.serve: {e}\ntritonserver keeps running; `make stop` ends it", file=sys.stderr)
             return 1
+        auth = " -H \"Authorization: Bearer $FASTDECODE_API_KEY\"" if os.environ.get("FASTDECODE_API_KEY") else ""
         openai = f"""
 OpenAI API: {url}/v1 (model {Path(args.model).name!r})
-  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
        -d '{{"model": "{Path(args.model).name}", "messages": [{{"role": "user", "content": "Hello"}}]}}'"""
     print(f"""
 

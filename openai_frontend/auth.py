@@ -1,0 +1,37 @@
+"""API keys: with a key set, every /v1 route wants `Authorization: Bearer <key>` (the openai SDK's
+`api_key`); /health stays open for probes. A missing or wrong key gets OpenAI's 401 error."""
+from __future__ import annotations
+
+import hmac
+import json
+
+PROTECTED = "/v1"
+
+
+class BearerAuth:
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and _protected(scope["path"]) and not self._authorized(scope["headers"]):
+            await _unauthorized(send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, headers) -> bool:
+        given = [v for k, v in headers if k == b"authorization"]
+        return len(given) == 1 and hmac.compare_digest(given[0], self.expected)
+
+
+def _protected(path: str) -> bool:
+    return path == PROTECTED or path.startswith(PROTECTED + "/")
+
+
+async def _unauthorized(send) -> None:
+    body = json.dumps({"error": {"message": "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                                 "type": "authentication_error", "param": None, "code": "invalid_api_key"}}).encode()
+    await send({"type": "http.response.start", "status": 401,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"www-authenticate", b"Bearer")]})
+    await send({"type": "http.response.body", "body": body})
