@@ -5,6 +5,8 @@ from __future__ import annotations
 import hmac
 import json
 
+from openai_frontend.errors import APIError
+
 PROTECTED = "/v1"
 
 
@@ -29,8 +31,8 @@ def _protected(path: str) -> bool:
 
 
 async def _unauthorized(send) -> None:
-    body = json.dumps({"error": {"message": "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                                 "type": "authentication_error", "param": None, "code": "invalid_api_key"}}).encode()
+    body = json.dumps(APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key").body()).encode()
     await send({"type": "http.response.start", "status": 401,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"www-authenticate", b"Bearer")]})

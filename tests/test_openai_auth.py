@@ -8,7 +8,7 @@ from starlette.testclient import TestClient
 
 from fastdecode.ops.procs import free_port
 from fastdecode.ops.triton import tritonserver_binary
-from openai_frontend.__main__ import valid_key
+from openai_frontend.__main__ import main as frontend_main, valid_key
 from openai_frontend.app import Settings, create_app
 from openai_frontend.testing import Frontend
 from test_openai_frontend import NAME, chat_model_dir  # noqa: F401
@@ -74,8 +74,22 @@ def test_health_stays_open_for_probes(tiny_model_dir):
 
 @pytest.mark.parametrize("key,ok", [(KEY, True), ("a", True), ("", False), ("has space", False), ("tab\tkey", False),
                                     ("ключ", False), ("new\nline", False)])
-def test_keys_a_header_cannot_carry_are_refused_at_start(key, ok):
+def test_keys_a_header_cannot_carry_are_refused_at_start(key, ok, tiny_model_dir, monkeypatch, capsys):
     assert valid_key(key) is ok
+    if ok:
+        return
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("the frontend started with a bad key"))
+    with pytest.raises(SystemExit) as e:
+        frontend_main(["--model-dir", str(tiny_model_dir), "--api-key", key])
+    assert e.value.code == 2 and "--api-key" in capsys.readouterr().err
+    if not key:                       # FASTDECODE_API_KEY="" is the same as unset: no key
+        return
+    monkeypatch.setenv("FASTDECODE_API_KEY", key)
+    with pytest.raises(SystemExit) as e:
+        frontend_main(["--model-dir", str(tiny_model_dir)])
+    assert e.value.code == 2 and "FASTDECODE_API_KEY" in capsys.readouterr().err
 
 
 @pytest.mark.triton
