@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import json
 
 from openai_frontend.errors import APIError
 
@@ -17,7 +16,10 @@ class BearerAuth:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and _protected(scope["path"]) and not self._authorized(scope["headers"]):
-            await _unauthorized(send)
+            response = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                                code="invalid_api_key").response()
+            response.headers["WWW-Authenticate"] = "Bearer"
+            await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -29,11 +31,3 @@ class BearerAuth:
 def _protected(path: str) -> bool:
     return path == PROTECTED or path.startswith(PROTECTED + "/")
 
-
-async def _unauthorized(send) -> None:
-    body = json.dumps(APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                               code="invalid_api_key").body()).encode()
-    await send({"type": "http.response.start", "status": 401,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"www-authenticate", b"Bearer")]})
-    await send({"type": "http.response.body", "body": body})
