@@ -16,6 +16,7 @@ tokens, greedy, ignore_eos. Every streamed output is timestamped, giving:
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -169,6 +170,10 @@ async def main_async(args):
             result["results"].append(row)
     finally:
         engine.shutdown()
+        # AsyncLLM.__del__ shuts down again: collected here, not at interpreter exit, where the
+        # module globals it uses are gone and it raises.
+        del engine
+        gc.collect()
     return result
 
 
