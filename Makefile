@@ -126,7 +126,7 @@ gpu-check:
 	$(GPU_PY) bench/gpu_check.py $(BENCH_ARGS)
 
 bench-peers: setup $(VLLM_VENV)/.installed
-	$(PY) bench/bench_peers.py $(BENCH_ARGS)
+	$(PY) bench/bench_peers.py --grow-to 4096 $(BENCH_ARGS)
 
 # Peer benchmark: vLLM's CPU build in its own venv (never imports fastdecode).
 # torch 2.13.0 (the CPU wheel on this disk) goes in first and stays pinned on every

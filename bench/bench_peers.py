@@ -1,6 +1,6 @@
 """Tokens/s as a client sees them: fastdecode through Triton against the systems people run instead.
 
-    make bench-peers                  # every peer, batches 1..512 at 128 tokens, 1..32 at 1024
+    make bench-peers                  # every peer, batches 1..512 then doubling at 128 tokens, 1..32 at 1024
     python bench/bench_peers.py --peers triton,hf --batches 32 --seq-lens 128 --out /tmp/p.json
 
 One workload for every peer, run one after the other on this machine (never at once): B
@@ -21,8 +21,11 @@ output. Every streamed output is timestamped: TTFT per request, and the gap betw
 The peers stay up, idle, for the whole run, and each (seq_len, batch) runs on every peer in turn:
 this VM's speed drifts by up to 1.5x over minutes, and peers compared at one batch are then
 measured minutes apart at most. A peer whose run takes longer than --run-timeout-s, or fails,
-stops growing its batch at that length, and the JSON says why. Writes bench/results/peers.json (ratios, CPU model,
-memory bandwidth, commit) and peers.png.
+stops growing its batch at that length. With --grow-to (make bench-peers: 4096), past the last
+of --batches at the shortest length, each peer's batch doubles until a run fails, takes too
+long, or adds under 5% tokens/s over the batch before: the largest batch each peer reached, and
+why it stopped there, go in the JSON (`largest`). Writes bench/results/peers.json (ratios, CPU
+model, memory bandwidth, commit) and peers.png.
 """
 from __future__ import annotations
 
@@ -431,6 +434,77 @@ def timed_run(peer, work, seq_len: int, batch: int, timeout_s: float) -> dict:
     return row
 
 
+GROWTH_MIN = 1.05    # a doubling of the batch that adds less tokens/s than this factor ends the growth
+
+
+def growth_stop(prev: dict | None, row: dict, grow_to: int) -> str | None:
+    """Why a peer's batch stops doubling after `row` (None: it goes on). prev: its row at half the batch."""
+    if "error" in row:
+        return f"batch {row['batch']} failed: {row['error']}"
+    if "stopped" in row:
+        return row["stopped"]
+    if prev is not None and "error" not in prev and row["tokens_per_s"] < GROWTH_MIN * prev["tokens_per_s"]:
+        return (f"{row['tokens_per_s']:.0f} tok/s at batch {row['batch']} is under {GROWTH_MIN}x the "
+                f"{prev['tokens_per_s']:.0f} at {prev['batch']}: a larger batch adds nothing")
+    if row["batch"] * 2 > grow_to:
+        return f"batch {row['batch'] * 2} would pass --grow-to {grow_to}"
+    return None
+
+
+def largest(rows: list[dict], seq_len: int, why: str) -> dict:
+    """The largest batch a peer completed at seq_len, and why it went no further."""
+    done = [r["batch"] for r in rows if r.get("seq_len") == seq_len and "error" not in r]
+    return {"batch": max(done, default=None), "why": why}
+
+
+def run_plan(live: list, report: dict, plan: list[tuple[int, int]], grow_to: int, timeout_s: float,
+             work, save) -> None:
+    """Run every (seq_len, batch) of the plan on each live peer in turn. After the plan's last batch
+    at the shortest length, each peer's batch doubles until growth_stop says why not; a peer whose run
+    fails or takes too long stops at that length anyway. Records each peer's `largest` per length."""
+    seq_lens = sorted({L for L, _ in plan})
+    last = max(b for L, b in plan if L == seq_lens[0])
+    stopped: dict[tuple[str, int], str] = {}     # (peer, seq_len) -> why its batch grows no more
+
+    def runs(peer, seq_len: int, batch: int) -> bool:
+        return (peer.name, seq_len) not in stopped and (
+            not hasattr(peer, "runs") or peer.runs(seq_len, batch, seq_lens[0]))
+
+    def run_all(seq_len: int, batch: int, growing: bool) -> None:
+        for peer in live:
+            if not runs(peer, seq_len, batch):
+                continue
+            rows = report["peers"][peer.name]["rows"]
+            prev = next((r for r in rows if r.get("seq_len") == seq_len and r["batch"] == batch // 2), None)
+            row = timed_run(peer, work(seq_len, batch), seq_len, batch, timeout_s)
+            rows.append(row)
+            why = growth_stop(prev, row, grow_to) if growing else growth_stop(None, row, 2 ** 62)
+            if why is not None:
+                stopped[(peer.name, seq_len)] = why
+        report.update(ratios(report["peers"], seq_lens[0]))
+        save()
+
+    for seq_len, batch in plan:
+        run_all(seq_len, batch, growing=False)
+        if (seq_len, batch) == (seq_lens[0], last):
+            while batch * 2 <= grow_to and any(runs(peer, seq_len, batch * 2) for peer in live):
+                batch *= 2
+                run_all(seq_len, batch, growing=True)
+
+    def unstopped(peer, seq_len: int) -> str:      # the plan ended before the peer did
+        if hasattr(peer, "runs"):
+            return "the last batch this peer is given (--openai-batches)"
+        if seq_len != seq_lens[0]:
+            return "the last of --long-batches"
+        return f"the last of --batches; --grow-to {grow_to} allows no doubling"
+
+    for peer in live:
+        info = report["peers"][peer.name]
+        info["largest"] = {str(L): largest(info["rows"], L, stopped.get((peer.name, L)) or unstopped(peer, L))
+                           for L in seq_lens}
+    save()
+
+
 # ---- main
 
 def main(argv=None) -> int:
@@ -442,14 +516,26 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,8,32,128,512", help="at the shortest sequence length")
     p.add_argument("--long-batches", default="1,8,32", help="at the other sequence lengths")
     p.add_argument("--run-timeout-s", type=float, default=900)
+    p.add_argument("--grow-to", type=int, default=0,
+                   help="past the last of --batches, double each peer's batch up to this (0: no growth; "
+                        "make bench-peers: 4096)")
     p.add_argument("--hf-dtype", default="", help="float32 | bfloat16; default: the faster in a probe")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="EngineConfig setting for triton and engine (default: none, as `make serve`)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "peers.json"))
     a = p.parse_args(argv)
-    seq_lens = sorted(int(s) for s in a.seq_lens.split(","))
-    plan = [(seq_lens[0], int(b)) for b in a.batches.split(",")]
-    plan += [(s, int(b)) for s in seq_lens[1:] for b in a.long_batches.split(",")]
+    try:
+        seq_lens = sorted({int(s) for s in a.seq_lens.split(",")})
+        batches = [int(b) for b in a.batches.split(",")]
+        long_batches = [int(b) for b in a.long_batches.split(",")]
+    except ValueError as e:
+        p.error(f"--seq-lens, --batches and --long-batches are comma-separated integers ({e})")
+    if min(seq_lens + batches + long_batches) < 1:
+        p.error("sequence lengths and batches must be >= 1")
+    if a.grow_to < 0:
+        p.error(f"--grow-to must be >= 0, got {a.grow_to}")
+    plan = [(seq_lens[0], b) for b in batches]
+    plan += [(s, b) for s in seq_lens[1:] for b in long_batches]
 
     from transformers import AutoTokenizer
 
@@ -499,18 +585,8 @@ def main(argv=None) -> int:
                     continue
                 report["peers"][name] = {**peer.info, "rows": []}
             live = [peer for peer in peers if "error" not in report["peers"][peer.name]]
-            stopped: set[tuple[str, int]] = set()
-            for seq_len, batch in plan:
-                for peer in live:
-                    if hasattr(peer, "runs") and not peer.runs(seq_len, batch, seq_lens[0]):
-                        continue
-                    if (peer.name, seq_len) not in stopped:
-                        row = timed_run(peer, work(seq_len, batch), seq_len, batch, a.run_timeout_s)
-                        if "error" in row or "stopped" in row:
-                            stopped.add((peer.name, seq_len))
-                        report["peers"][peer.name]["rows"].append(row)
-                report.update(ratios(report["peers"], seq_lens[0]))
-                out.write_text(json.dumps(report, indent=1) + "\n")
+            run_plan(live, report, plan, a.grow_to, a.run_timeout_s, work,
+                     save=lambda: out.write_text(json.dumps(report, indent=1) + "\n"))
         finally:
             for peer in peers:
                 peer.close()

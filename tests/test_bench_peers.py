@@ -42,3 +42,69 @@ def test_workload_leaves_each_request_its_own_new_tokens():
     work = bench_peers.workload(Tok(), 3, 20)
     assert [t for t, _ in work] == [bench_peers.prompt_text(i) for i in range(3)]
     assert all(n == 20 - len(t.split()) for t, n in work)
+
+
+def test_growth_stops_on_failure_timeout_no_gain_or_the_cap():
+    row = {"batch": 1024, "seq_len": 128, "tokens_per_s": 800.0}
+    prev = {"batch": 512, "seq_len": 128, "tokens_per_s": 780.0}
+    assert "failed: OOM" in bench_peers.growth_stop(prev, {"batch": 1024, "error": "OOM"}, 4096)
+    assert bench_peers.growth_stop(prev, {**row, "stopped": "took 999 s"}, 4096) == "took 999 s"
+    assert "adds nothing" in bench_peers.growth_stop(prev, row, 4096)           # 800 < 1.05 x 780
+    assert bench_peers.growth_stop({**prev, "tokens_per_s": 700.0}, row, 4096) is None
+    assert "--grow-to 1024" in bench_peers.growth_stop({**prev, "tokens_per_s": 700.0}, row, 1024)
+
+
+class FakePeer:
+    def __init__(self, name, tps, fail_at=None, only=None):
+        self.name, self.tps, self.fail_at = name, tps, fail_at
+        if only is not None:
+            self.runs = lambda seq_len, batch, shortest: seq_len == shortest and batch in only
+
+    def run(self, work, seq_len):
+        if len(work) == self.fail_at:
+            raise MemoryError("out of memory")
+        return {"batch": len(work), "seq_len": seq_len, "tokens_per_s": self.tps(len(work)), "ttft_p50_s": 0.1,
+                "itl_p50_s": 0.01, "itl_p99_s": 0.02}
+
+
+def test_run_plan_doubles_each_peer_past_the_plan_until_it_stops_and_says_why():
+    peers = [FakePeer("flat", lambda b: min(b, 512) * 1.0),            # no gain past 512
+             FakePeer("grows", lambda b: float(b)),                      # gains until the cap
+             FakePeer("fails", lambda b: float(b), fail_at=1024),
+             FakePeer("gated", lambda b: float(b), only={32})]           # as the openai peer
+    report = {"peers": {p.name: {"rows": []} for p in peers}}
+    saves = []
+    plan = [(128, 32), (128, 512), (1024, 8)]
+    bench_peers.run_plan(peers, report, plan, grow_to=2048, timeout_s=60, work=lambda L, b: [("x", 1)] * b,
+                         save=lambda: saves.append(1))
+    batches = {name: [(r["seq_len"], r["batch"]) for r in p["rows"]] for name, p in report["peers"].items()}
+    assert batches["flat"] == [(128, 32), (128, 512), (128, 1024), (1024, 8)]
+    assert batches["grows"] == [(128, 32), (128, 512), (128, 1024), (128, 2048), (1024, 8)]
+    assert batches["fails"] == [(128, 32), (128, 512), (128, 1024), (1024, 8)]
+    assert batches["gated"] == [(128, 32)]
+    largest = {name: p["largest"] for name, p in report["peers"].items()}
+    assert largest["flat"]["128"]["batch"] == 1024 and "adds nothing" in largest["flat"]["128"]["why"]
+    assert largest["grows"]["128"]["batch"] == 2048 and "--grow-to 2048" in largest["grows"]["128"]["why"]
+    assert largest["fails"]["128"]["batch"] == 512 and "MemoryError: out of memory" in largest["fails"]["128"]["why"]
+    assert largest["gated"]["128"] == {"batch": 32, "why": "the last batch this peer is given (--openai-batches)"}
+    assert largest["flat"]["1024"] == {"batch": 8, "why": "the last of --long-batches"}
+    assert largest["gated"]["1024"]["batch"] is None
+    assert len(saves) == 6                                       # after each (length, batch) and at the end
+
+
+def test_run_plan_without_growth_runs_the_plan_alone():
+    peer = FakePeer("grows", lambda b: float(b))
+    report = {"peers": {"grows": {"rows": []}}}
+    bench_peers.run_plan([peer], report, [(128, 1), (128, 8)], grow_to=0, timeout_s=60,
+                         work=lambda L, b: [("x", 1)] * b, save=lambda: None)
+    assert [r["batch"] for r in report["peers"]["grows"]["rows"]] == [1, 8]
+    assert report["peers"]["grows"]["largest"]["128"] == {
+        "batch": 8, "why": "the last of --batches; --grow-to 0 allows no doubling"}
+
+
+@pytest.mark.parametrize("args", [["--grow-to", "-1"], ["--grow-to", "many"], ["--batches", "1,x"],
+                                  ["--batches", "0,8"], ["--seq-lens", ""], ["--long-batches", "-8"]])
+def test_bad_arguments_are_refused_before_anything_starts(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_peers.main(args + ["--out", "/nonexistent/never-written.json"])
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err
