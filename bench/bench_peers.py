@@ -437,12 +437,18 @@ def timed_run(peer, work, seq_len: int, batch: int, timeout_s: float) -> dict:
 GROWTH_MIN = 1.05    # a doubling of the batch that adds less tokens/s than this factor ends the growth
 
 
-def growth_stop(prev: dict | None, row: dict, grow_to: int) -> str | None:
-    """Why a peer's batch stops doubling after `row` (None: it goes on). prev: its row at half the batch."""
+def run_stop(row: dict) -> str | None:
+    """Why no larger batch runs after `row` at its length, whether the batch grows or not: it failed
+    or took too long (None: neither)."""
     if "error" in row:
         return f"batch {row['batch']} failed: {row['error']}"
-    if "stopped" in row:
-        return row["stopped"]
+    return row.get("stopped")
+
+
+def growth_stop(prev: dict | None, row: dict, grow_to: int) -> str | None:
+    """Why a peer's batch stops doubling after `row` (None: it goes on). prev: its row at half the batch."""
+    if (why := run_stop(row)) is not None:
+        return why
     if prev is not None and "error" not in prev and row["tokens_per_s"] < GROWTH_MIN * prev["tokens_per_s"]:
         return (f"{row['tokens_per_s']:.0f} tok/s at batch {row['batch']} is under {GROWTH_MIN}x the "
                 f"{prev['tokens_per_s']:.0f} at {prev['batch']}: a larger batch adds nothing")
@@ -478,7 +484,7 @@ def run_plan(live: list, report: dict, plan: list[tuple[int, int]], grow_to: int
             prev = next((r for r in rows if r.get("seq_len") == seq_len and r["batch"] == batch // 2), None)
             row = timed_run(peer, work(seq_len, batch), seq_len, batch, timeout_s)
             rows.append(row)
-            why = growth_stop(prev, row, grow_to) if growing else growth_stop(None, row, 2 ** 62)
+            why = growth_stop(prev, row, grow_to) if growing else run_stop(row)
             if why is not None:
                 stopped[(peer.name, seq_len)] = why
         report.update(ratios(report["peers"], seq_lens[0]))
