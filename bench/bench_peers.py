@@ -534,9 +534,10 @@ def main(argv=None) -> int:
         seq_lens = sorted({int(s) for s in a.seq_lens.split(",")})
         batches = [int(b) for b in a.batches.split(",")]
         long_batches = [int(b) for b in a.long_batches.split(",")]
+        openai_batches = {int(b) for b in a.openai_batches.split(",") if b}
     except ValueError as e:
-        p.error(f"--seq-lens, --batches and --long-batches are comma-separated integers ({e})")
-    if min(seq_lens + batches + long_batches) < 1:
+        p.error(f"--seq-lens, --batches, --long-batches and --openai-batches are comma-separated integers ({e})")
+    if min([*seq_lens, *batches, *long_batches, *openai_batches]) < 1:
         p.error("sequence lengths and batches must be >= 1")
     if a.grow_to < 0:
         p.error(f"--grow-to must be >= 0, got {a.grow_to}")
@@ -571,8 +572,7 @@ def main(argv=None) -> int:
         return next((peer for peer in peers if peer.name == "triton"), None)
 
     makers = {"triton": lambda tmp: TritonPeer(params, tmp), "engine": lambda tmp: EnginePeer(config),
-              "openai": lambda tmp: OpenAIPeer(triton_peer(), model_dir, tmp,
-                                               {int(b) for b in a.openai_batches.split(",") if b}),
+              "openai": lambda tmp: OpenAIPeer(triton_peer(), model_dir, tmp, openai_batches),
               "hf": lambda tmp: HFPeer(model_dir, a.hf_dtype, work(48, 32)),
               "vllm": lambda tmp: VLLMPeer(model_dir, a.run_timeout_s)}
     peers = []

@@ -103,7 +103,8 @@ def test_run_plan_without_growth_runs_the_plan_alone():
 
 
 @pytest.mark.parametrize("args", [["--grow-to", "-1"], ["--grow-to", "many"], ["--batches", "1,x"],
-                                  ["--batches", "0,8"], ["--seq-lens", ""], ["--long-batches", "-8"]])
+                                  ["--batches", "0,8"], ["--seq-lens", ""], ["--long-batches", "-8"],
+                                  ["--openai-batches", "32,big"], ["--openai-batches", "0"]])
 def test_bad_arguments_are_refused_before_anything_starts(args, capsys):
     with pytest.raises(SystemExit) as e:
         bench_peers.main(args + ["--out", "/nonexistent/never-written.json"])
