@@ -118,13 +118,13 @@ soak: setup
 chaos: setup
 	$(PY) bench/chaos.py $(BENCH_ARGS)
 
-# Through Triton against transformers and vLLM-CPU, one after the other (long: about an hour).
 # The paper's configuration on a GPU machine (issue #19). No `setup`: the script builds the kernel
 # and the gRPC stubs itself; where there is no .venv (the GPU machine) it runs python3.
 GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) bench/gpu_check.py $(BENCH_ARGS)
 
+# Through Triton against transformers and vLLM-CPU, one after the other (long: about 35 minutes).
 bench-peers: setup $(VLLM_VENV)/.installed
 	$(PY) bench/bench_peers.py --grow-to 4096 $(BENCH_ARGS)
 

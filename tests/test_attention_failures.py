@@ -2,9 +2,12 @@
 (the local C++ backend refuses non-finite q, k, v; other errors stand for a backend fault)."""
 from __future__ import annotations
 
-import pytest
+from concurrent.futures import Future
 
-from fastdecode.attention.base import AttentionError
+import pytest
+import torch
+
+from fastdecode.attention.base import AttentionError, SequencesLost
 from fastdecode.config import EngineConfig
 from fastdecode.engine import Engine
 
@@ -147,3 +150,21 @@ def test_a_decode_result_that_never_comes_fails_its_rows_and_the_engine_goes_on(
     assert all("no attention result within 0.2 s" in f.error for f in finals)
     assert engine.healthy and backend.stats()["sequences"] == 0
     assert [tokens(o) for o in run(engine, PROMPTS).values()] == [tokens(o) for o in clean.values()]
+
+
+def test_a_decode_step_that_loses_every_row_returns_no_logits_in_the_models_dtype(tiny_model_dir):
+    """Every row lost: the step's (empty) decode logits join the re-prefill's in the model's
+    dtype and on its device (a float32 CPU tensor here broke torch.cat on a GPU)."""
+    e = Engine(EngineConfig(model=tiny_model_dir, attention="local", kernel_threads=1, dtype="bfloat16"))
+    try:
+        def all_lost(layer, seq_ids, q, k, v):
+            future = Future()
+            future.set_exception(SequencesLost(seq_ids, "test: the R-worker went away"))
+            return future
+        e.runner.backend.submit_decode = all_lost
+        res = e.runner.decode([0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [0, 0, 0, 0, 0])
+        assert sorted(res.lost) == [0, 1, 2, 3, 4] and res.rows == []
+        assert res.logits.shape == (0, e.runner.model.args.vocab_size)
+        assert res.logits.dtype == torch.bfloat16 and res.logits.device == e.runner.model.embed_tokens.weight.device
+    finally:
+        e.stop()

@@ -143,3 +143,36 @@ def test_a_part_that_overruns_the_budget_meets_the_watchdog(tmp_path):
     data = json.loads(out.read_text())
     assert data["watchdog"].startswith("fired at the budget and its grace")
     assert data["parts"]["r_part"] == {"status": "error", "error": "watchdog: overran the time budget"}
+
+
+@pytest.mark.parametrize("error, stopped, entry", [
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+     "out of memory at B=8", {"oom": True}),
+    (RuntimeError("CUDA error: invalid configuration argument"), "error at B=8: RuntimeError", None)])
+def test_hf_keeps_the_batches_it_measured_when_a_larger_one_fails(monkeypatch, tmp_path, error, stopped, entry):
+    import transformers
+
+    from fastdecode.testing import make_tiny_llama
+    from gpu_parts import Budget, hf_part
+
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def failing_at_8(*args, **kwargs):
+        model = real(*args, **kwargs)
+        generate = model.generate
+
+        def gen(ids, **kw):
+            if ids.shape[0] >= 8:
+                raise error
+            return generate(ids, **kw)
+        model.generate = gen
+        return model
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", failing_at_8)
+    profile = gpu_check.cpu_smoke_profile()
+    ctx = Context(profile=profile, work_dir=tmp_path)
+    ctx.models["default"] = {"dir": str(make_tiny_llama(tmp_path / "m", **profile.tiny_default))}
+    out = hf_part(ctx, Budget(120, time.monotonic() + 120))
+    assert set(out["runs"]) == {"2", "4", "8"} and out["stopped"] == stopped
+    assert all(out["runs"][b]["tokens_per_s"] > 0 for b in ("2", "4"))
+    assert out["runs"]["8"] == entry if entry else "invalid configuration" in out["runs"]["8"]["error"]
+    assert out["largest_batch_run"] == 4 and out["best_batch"] in (2, 4)

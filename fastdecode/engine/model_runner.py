@@ -103,7 +103,7 @@ class ModelRunner:
                     self._start_layer(layer, mb)
         alive = [mb for mb in mbs if mb.seq_ids]
         if not alive:
-            return DecodeResult(torch.empty(0, self.model.args.vocab_size), [], lost, out_of_kv, failed)
+            return DecodeResult(h.new_empty((0, self.model.args.vocab_size)), [], lost, out_of_kv, failed)
         logits = self.model.logits(torch.cat([mb.h for mb in alive]))
         rows = torch.cat([mb.rows for mb in alive]).tolist()
         return DecodeResult(logits, rows, lost, out_of_kv, failed)
