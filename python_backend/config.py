@@ -13,6 +13,9 @@ Host options (not EngineConfig fields):
     metrics_interval_ms    how often metrics are pushed to Triton (1000)
     send_threads           threads that send responses to Triton, several in flight (8; 1 = one
                            at a time; each request's responses stay in order on one of them)
+    stream_interval        tokens a streamed response carries (auto: 1 while at most 16 requests
+                           stream, 2 beyond; N: N). The first token and the last output go out
+                           at once, and no token waits more than half a second
     fault_step_error_file  TEST ONLY: while this file exists, engine.step raises (crash drill)
 """
 from __future__ import annotations
@@ -21,8 +24,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from fastdecode.config import REPO_ROOT, EngineConfig, config_from_settings, resolve_path
+from python_backend.host import MAX_STREAM_INTERVAL
 
-HOST_KEYS = ("plan", "cancel_poll_ms", "metrics_interval_ms", "send_threads", "fault_step_error_file")
+HOST_KEYS = ("plan", "cancel_poll_ms", "metrics_interval_ms", "send_threads", "stream_interval",
+             "fault_step_error_file")
 MAX_SEND_THREADS = 64
 
 
@@ -31,6 +36,7 @@ class HostOptions:
     cancel_poll_s: float = 0.1
     metrics_interval_s: float = 1.0
     send_threads: int = 8
+    stream_interval: int = 0                    # 0 = auto
     fault_step_error_file: str = ""
 
 
@@ -54,7 +60,7 @@ def build_configs(params: dict[str, str], root: Path = REPO_ROOT) -> tuple[Engin
     fault = params.get("fault_step_error_file", "")
     host = HostOptions(cancel_poll_s=_millis(params, "cancel_poll_ms", 100),
                        metrics_interval_s=_millis(params, "metrics_interval_ms", 1000),
-                       send_threads=_send_threads(params),
+                       send_threads=_send_threads(params), stream_interval=_stream_interval(params),
                        fault_step_error_file=resolve_path(fault, root) if fault else "")
     return engine, host
 
@@ -78,4 +84,18 @@ def _send_threads(params: dict) -> int:
     if not 1 <= value <= MAX_SEND_THREADS:
         raise ValueError(f"model parameter send_threads must be a whole number in [1, {MAX_SEND_THREADS}], "
                          f"got {text!r}")
+    return value
+
+
+def _stream_interval(params: dict) -> int:
+    text = params.get("stream_interval", "auto")
+    if text == "auto":
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_STREAM_INTERVAL:
+        raise ValueError(f"model parameter stream_interval must be auto or a whole number in "
+                         f"[1, {MAX_STREAM_INTERVAL}], got {text!r}")
     return value

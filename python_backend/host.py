@@ -9,7 +9,10 @@ trip to the Triton server process; with one send in flight at a time, every resp
 server's threads on its own, and on a machine whose cores the engine keeps busy each wake-up
 takes one from the engine. So the sender hands the outputs it drained to `send_threads` threads,
 each request always to the same one (its responses stay in order), and waits for them before it
-drains again; the server then takes several responses per wake-up. The sender thread polls each
+drains again; the server then takes several responses per wake-up. Each send costs about the
+same whatever it carries, so under load a response carries `stream_interval` tokens (auto: one
+while at most AUTO_STREAMS requests stream, two beyond); a request's first token and its last
+output go out at once, and no token waits longer than `max_hold_s`. The sender thread polls each
 live request's `is_cancelled()` (the client cancelled its gRPC stream) and aborts it in the
 engine, which frees its KV at once; pushes metrics; and watches `engine.healthy`: once the
 engine loop has crashed, every live request ends with an error, new ones are refused, and the
@@ -60,13 +63,15 @@ class Live:
 
 
 _STOP = object()
+AUTO_STREAMS = 16          # stream_interval "auto": 1 token a response up to this many live requests, 2 beyond
+MAX_STREAM_INTERVAL = 64
 
 
 class EngineHost:
     def __init__(self, engine, transport: Transport, metrics: Metrics | None = None, *,
                  make_params: Callable[[dict], Any] | None = None, cancel_poll_s: float = 0.1,
                  metrics_interval_s: float = 1.0, crash_grace_s: float = 1.0, cancel_poll_batch: int = 32,
-                 send_threads: int = 8):
+                 send_threads: int = 8, stream_interval: int = 0, max_hold_s: float = 0.5):
         self.engine = engine
         self.transport = transport
         self.metrics = metrics
@@ -79,6 +84,9 @@ class EngineHost:
         self.healthy = True
         self.crash_reason = ""
         self._ids = itertools.count()
+        self.stream_interval = stream_interval          # tokens a response; 0 = auto
+        self.max_hold_s = max_hold_s
+        self._held: dict[str, tuple[Any, float]] = {}   # request id -> (output waiting for more tokens, since)
         self.send_threads = max(1, send_threads)
         self._lanes = ThreadPoolExecutor(self.send_threads - 1, thread_name_prefix="fastdecode-send") \
             if self.send_threads > 1 else None
@@ -150,9 +158,10 @@ class EngineHost:
 
     # ---- sender thread
     def _run(self) -> None:
-        next_poll = next_flush = time.monotonic()
+        next_poll = next_flush = next_release = time.monotonic()
         while True:
-            timeout = max(0.0, min(next_poll, next_flush) - time.monotonic())
+            wake = min(next_poll, next_flush, next_release) if self._held else min(next_poll, next_flush)
+            timeout = max(0.0, wake - time.monotonic())
             try:
                 item = self._outputs.get(timeout=timeout)
             except queue.Empty:
@@ -178,14 +187,21 @@ class EngineHost:
             if now >= next_flush:
                 self._flush_metrics()
                 next_flush = now + self.metrics_interval_s
+            if now >= next_release and self._held:
+                self._release_held(now)
+                next_release = now + self.max_hold_s / 2
 
     def _handle_all(self, batch: list) -> None:
         lanes: dict[int, list] = {}
+        now = time.monotonic()
         with self._lock:
+            interval = self._interval()
             for out in coalesce(batch):
                 live = self._live.get(out.request_id)
                 if live is not None:
-                    lanes.setdefault(live.lane, []).append(out)
+                    out = self._pace(live, out, interval, now)
+                    if out is not None:
+                        lanes.setdefault(live.lane, []).append(out)
         groups = list(lanes.values())
         if self._lanes is None or len(groups) < 2:
             for group in groups:
@@ -195,6 +211,29 @@ class EngineHost:
         self._handle_lane(groups[0])
         for future in others:
             future.result()
+
+    def _interval(self) -> int:
+        if self.stream_interval:
+            return self.stream_interval
+        return 1 if len(self._live) <= AUTO_STREAMS else 2
+
+    def _pace(self, live: Live, out, interval: int, now: float):
+        """`out` joined to what waits for this request: the output to send now, or None while it
+        waits for more tokens. The first token and the last output never wait."""
+        held = self._held.pop(live.request_id, None)
+        if held is not None:
+            out = coalesce([held[0], out])[0]
+        if out.finished or live.first_token is None or len(out.token_ids) >= interval:
+            return out
+        self._held[live.request_id] = (out, now if held is None else held[1])
+        return None
+
+    def _release_held(self, now: float) -> None:
+        """Send what has waited `max_hold_s` (a request paused by preemption, or a slow step)."""
+        with self._lock:
+            due = [rid for rid, (_, since) in self._held.items() if now - since >= self.max_hold_s]
+            outs = [self._held.pop(rid)[0] for rid in due]
+        self._handle_lane(outs)
 
     def _handle_lane(self, outs: list) -> None:
         for out in outs:
@@ -245,6 +284,7 @@ class EngineHost:
         live.done = True
         with self._lock:
             self._live.pop(live.request_id, None)
+            self._held.pop(live.request_id, None)
 
     def _abort(self, live: Live) -> None:
         live.cancelled = True
@@ -298,6 +338,7 @@ class EngineHost:
     def _fail_all(self, error: ErrorInfo) -> None:
         with self._lock:
             lives, self._live = list(self._live.values()), {}
+            self._held.clear()
         for live in lives:
             live.done = True
             if live.sender is not None:

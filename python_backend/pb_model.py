@@ -86,7 +86,8 @@ class FastDecodeModel:
         self.metrics_sink = PbMetricsSink()
         metrics = Metrics(self.metrics_sink, {"model": name, "version": args["model_version"]})
         self.host = EngineHost(self.engine, PbTransport(name), metrics, cancel_poll_s=options.cancel_poll_s,
-                               metrics_interval_s=options.metrics_interval_s, send_threads=options.send_threads)
+                               metrics_interval_s=options.metrics_interval_s, send_threads=options.send_threads,
+                               stream_interval=options.stream_interval)
         self.engine.start()
 
     def execute(self, requests):

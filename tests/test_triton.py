@@ -138,6 +138,27 @@ def test_16_concurrent_streams_equal_one_by_one(server):
     assert len(set(one_by_one)) > 1
 
 
+def test_past_16_streams_responses_carry_two_tokens_and_nothing_changes(server):
+    """stream_interval auto: with more than 16 requests streaming, a response carries two tokens
+    (the first token still goes alone); the text is the same as each request's alone."""
+    prompts = [f"Stream {i}: the quick brown fox {'jumps ' * (i % 3)}" for i in range(24)]
+    one_by_one = [text(generate(server, p)) for p in prompts]
+    streams: dict[int, list] = {}
+
+    def run(i):
+        streams[i] = generate(server, prompts[i], return_num_output_tokens=True)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [text(streams[i]) for i in range(len(prompts))] == one_by_one
+    for responses in streams.values():
+        counts = [r["num_output_tokens"] for r in responses]
+        assert sum(counts) == GREEDY["max_tokens"] and counts[0] == 1
+    assert sum(len(r) for r in streams.values()) < 0.7 * len(prompts) * GREEDY["max_tokens"]
+
+
 def test_cancelling_a_stream_frees_rworker_kv(server, fleet):
     import tritonclient.grpc as grpcclient
 
