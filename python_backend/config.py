@@ -13,8 +13,8 @@ Host options (not EngineConfig fields):
     metrics_interval_ms    how often metrics are pushed to Triton (1000)
     send_threads           threads that send responses to Triton, several in flight (8; 1 = one
                            at a time; each request's responses stay in order on one of them)
-    stream_interval        tokens a streamed response carries (auto: 1 while at most 16 requests
-                           stream, 2 beyond; N: N). The first token and the last output go out
+    stream_interval        tokens a streamed response carries (auto: 1 while at most 16 requests are
+                           in flight, 2 beyond; N: N). The first token and the last output go out
                            at once, and no token waits more than half a second
     fault_step_error_file  TEST ONLY: while this file exists, engine.step raises (crash drill)
 """

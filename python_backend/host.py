@@ -11,8 +11,8 @@ takes one from the engine. So the sender hands the outputs it drained to `send_t
 each request always to the same one (its responses stay in order), and waits for them before it
 drains again; the server then takes several responses per wake-up. Each send costs about the
 same whatever it carries, so under load a response carries `stream_interval` tokens (auto: one
-while at most AUTO_STREAMS requests stream, two beyond); a request's first token and its last
-output go out at once, and no token waits longer than `max_hold_s`. The sender thread polls each
+while at most AUTO_STREAMS requests are in flight, two beyond); a request's first token and its
+last output go out at once, and no token waits longer than `max_hold_s`. The sender thread polls each
 live request's `is_cancelled()` (the client cancelled its gRPC stream) and aborts it in the
 engine, which frees its KV at once; pushes metrics; and watches `engine.healthy`: once the
 engine loop has crashed, every live request ends with an error, new ones are refused, and the
