@@ -76,6 +76,27 @@ def test_argmax_takes_the_first_maximum_and_nan_as_torch_does():
     assert argmax(logits).tolist()[1:4] == [7, 123, 0]
 
 
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 1000, 49155])
+def test_argmax_rows_each_path_matches_torch_at_every_tail(n, portable):
+    """The AVX-512 path (where the CPU has it) and the portable one, over rows whose length is not a
+    multiple of a vector: maxima in the tail, ties, both NaNs, -inf rows, -0 against +0."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(12, n, generator=g).to(bf16)
+    x[1, -1] = 1e30                                   # the last element
+    x[2, 0] = x[2, n // 2] = x[2, -1] = 60.0          # ties: the first
+    x[3, n // 3] = float("nan")
+    x[4] = float("-inf")
+    x[5] = -0.0
+    x[5, -1] = 0.0
+    x.view(torch.int16)[6, n // 2] = -64              # 0xffc0: a NaN with the sign bit set is a maximum too
+    x[7] = -1e30
+    x[7, -1] = float("inf")
+    x[8] = torch.randint(-3, 3, (n,), generator=g).to(bf16)   # many ties
+    got = ops.argmax_rows(x, portable=portable)
+    assert got.tolist() == x.max(dim=-1).indices.tolist()
+
+
 def test_argmax_falls_back_to_torch_for_other_dtypes():
     x = torch.randn(3, 10)
     assert argmax(x).tolist() == x.max(dim=-1).indices.tolist()

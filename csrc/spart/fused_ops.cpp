@@ -7,6 +7,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <immintrin.h>
+
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
@@ -208,7 +210,39 @@ FD_CLONES int64_t argmax_row(const uint16_t* x, int64_t n) {
   return 0;
 }
 
-at::Tensor argmax_rows(const at::Tensor& logits) {
+// argmax_row with AVX-512BW, 32 bf16 a vector: the same keys in 16 bits (NaN as 0x7fff, above +inf's
+// 0x7f80); one pass for the maximum, then the first lane equal to it (the row is in cache by then).
+#define FD_AVX512BW __attribute__((target("avx512f,avx512bw")))
+FD_AVX512BW inline __m512i argmax_keys(__m512i b) {
+  const __m512i mag = _mm512_set1_epi16(0x7fff), zero = _mm512_setzero_si512();
+  const __m512i v = _mm512_and_si512(b, mag);
+  const __mmask32 neg = _mm512_cmplt_epi16_mask(b, zero), nan = _mm512_cmpgt_epi16_mask(v, _mm512_set1_epi16(0x7f80));
+  return _mm512_mask_mov_epi16(_mm512_mask_sub_epi16(v, neg, zero, v), nan, mag);
+}
+
+FD_AVX512BW int64_t argmax_row_avx512(const uint16_t* x, int64_t n) {
+  const __m512i neg_inf = _mm512_set1_epi16(static_cast<int16_t>(0xff80));   // what masked-off lanes read
+  const int64_t body = n - n % 32;
+  const __mmask32 tail = static_cast<__mmask32>((1ull << (n % 32)) - 1);
+  __m512i best = _mm512_set1_epi16(std::numeric_limits<int16_t>::min());
+  for (int64_t i = 0; i < body; i += 32) best = _mm512_max_epi16(best, argmax_keys(_mm512_loadu_si512(x + i)));
+  if (tail) best = _mm512_max_epi16(best, argmax_keys(_mm512_mask_loadu_epi16(neg_inf, tail, x + body)));
+  alignas(64) int16_t lanes[32];
+  _mm512_store_si512(lanes, best);
+  int16_t m = lanes[0];
+  for (int l = 1; l < 32; ++l) m = std::max(m, lanes[l]);
+  const __m512i mv = _mm512_set1_epi16(m);
+  for (int64_t i = 0; i < body; i += 32) {
+    const __mmask32 hit = _mm512_cmpeq_epi16_mask(argmax_keys(_mm512_loadu_si512(x + i)), mv);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  const __mmask32 hit = _mm512_cmpeq_epi16_mask(argmax_keys(_mm512_mask_loadu_epi16(neg_inf, tail, x + body)), mv) & tail;
+  return hit ? body + __builtin_ctz(hit) : 0;
+}
+
+const bool kHasAvx512bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+
+at::Tensor argmax_rows(const at::Tensor& logits, bool portable) {
   check_rows(logits, "logits");
   const int64_t rows = logits.size(0), n = logits.size(1), s = logits.stride(0);
   TORCH_CHECK(n > 0, "logits must have at least one column");
@@ -216,7 +250,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   const uint16_t* x = bf(logits);
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r) o[r] = argmax_row(x + r * s, n);
+    for (int64_t r = a; r < b; ++r) o[r] = kHasAvx512bw && !portable ? argmax_row_avx512(x + r * s, n) : argmax_row(x + r * s, n);
   });
   return out;
 }
@@ -309,8 +343,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rope_(x, cos, sin): rotate x [T, heads, D] in place", py::arg("x"), py::arg("cos"),
         py::arg("sin"));
   m.def("silu_mul", &silu_mul, "silu_mul(gate_up) -> silu(gate) * up", py::arg("gate_up"));
-  m.def("argmax_rows", &argmax_rows, "argmax_rows(logits) -> int64 index of each row's first maximum",
-        py::arg("logits"));
+  m.def("argmax_rows", &argmax_rows,
+        "argmax_rows(logits, portable=False) -> int64 index of each row's first maximum (portable: the "
+        "loop every CPU runs, not the AVX-512 one where the CPU has it)",
+        py::arg("logits"), py::arg("portable") = false);
   m.def("sample_rows", &sample_rows,
         "sample_rows(logits, rows, temperatures, u) -> int64 token of each row: softmax(x / T) inverted at u",
         py::arg("logits"), py::arg("rows"), py::arg("temperatures"), py::arg("u"));
