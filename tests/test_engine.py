@@ -412,3 +412,19 @@ print(before, after_thread, threads())
     before, after_thread, after_main = map(int, out.stdout.split())
     assert after_thread == before, out.stdout
     assert after_main > before, out.stdout      # the same work on the calling thread leaves its pool
+
+
+def test_detokenizer_fast_path_decodes_as_the_tokenizer_does(engine):
+    """The fast path (the Rust tokenizer's decode) against tokenizer.decode: special tokens skipped,
+    spaces and multi-byte characters kept, on ids from the whole vocabulary."""
+    import functools
+
+    from fastdecode.engine.detokenizer import decoder_of
+    tok = engine.tokenizer
+    fast = decoder_of(tok)
+    assert isinstance(fast, functools.partial) and fast.func == tok.backend_tokenizer.decode
+    g = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, len(tok), (n,), generator=g).tolist() for n in (1, 2, 3, 7, 40) for _ in range(40)]
+    samples += [tok(" héllo wörld, 日本語 🙂 . , !")["input_ids"], [tok.eos_token_id, 42, tok.eos_token_id], []]
+    for ids in samples:
+        assert fast(ids) == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

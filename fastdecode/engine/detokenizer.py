@@ -6,16 +6,31 @@ incomplete byte sequence). Concatenating the pieces gives the full decode.
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
+
+def decoder_of(tokenizer) -> Callable[[list[int]], str]:
+    """ids -> text as tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False).
+    For a fast tokenizer whose decode adds nothing to its Rust tokenizer's, that one directly:
+    transformers' wrapper around it costs several times the decode of a few tokens."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        PreTrainedTokenizerFast = None
+    if (PreTrainedTokenizerFast is not None and isinstance(tokenizer, PreTrainedTokenizerFast)
+            and type(tokenizer).decode is PreTrainedTokenizerFast.decode
+            and type(tokenizer)._decode is PreTrainedTokenizerFast._decode):
+        return functools.partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+        self._decode = decoder_of(tokenizer)
         self.ids: list[int] = []
         self.prefix_offset = 0   # start of the window decoded for context
         self.read_offset = 0     # tokens before this have been emitted as text
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text that is now complete (maybe "")."""
