@@ -187,7 +187,12 @@ def bf16_ulp(x: float) -> float:
 @pytest.mark.parametrize("overrides", backend_params())
 def test_default_model_bf16_agreement(overrides):
     """bf16 rounds differently from transformers' bf16 kernels: greedy tokens may part at a
-    bf16 near-tie of the reference, never at a clear gap. Reports leading equal tokens per prompt."""
+    bf16 near-tie of the reference, never at a clear gap. Reports leading equal tokens per prompt:
+    how soon a near-tie comes depends on how the CPU's bf16 products round (about 47% of the
+    tokens lead equal on an AMX Xeon, where oneDNN takes other kernels, more on Zen 4), so that
+    share is printed, not bounded. Every position is compared instead with transformers'
+    continuation fed to us as the prompt: wherever the reference's top two are apart by more than
+    a near-tie (at least half the positions), our choice equals its token."""
     with torch_threads(1):
         _bf16_agreement(overrides)
 
@@ -199,6 +204,7 @@ def _bf16_agreement(overrides):
     engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16", **overrides))
     try:
         toks, _, _ = run_engine(engine, n)
+        forced = forced_argmax(engine, ref)
     finally:
         engine.stop()
     agree, possible, notes, clear = [], [], [], []
@@ -219,4 +225,27 @@ def _bf16_agreement(overrides):
     print(f"\nbf16 [{overrides['attention']}]: leading tokens equal to transformers per prompt {agree} "
           f"of {possible} ({sum(agree)}/{sum(possible)}); " + ("; ".join(notes) or "all equal"))
     assert not clear, clear                                   # parting only at a bf16 near-tie
-    assert sum(agree) >= 0.5 * sum(possible), (agree, possible)
+    assert sum(agree) > 0, (agree, possible)
+    # Past a parting: every position of transformers' continuation, fed to us as the prompt.
+    checked, wrong = 0, []
+    for i, ((theirs, ref_logits), ours) in enumerate(zip(ref, forced)):
+        for k, (t, o) in enumerate(zip(theirs, ours)):
+            top2 = ref_logits[k].topk(2).values
+            if (top2[0] - top2[1]).item() / bf16_ulp(top2[0].item()) > BF16_NEAR_TIE_ULPS:
+                checked += 1
+                if o != t:
+                    wrong.append(f"prompt {i} token {k}: {o} against {t}")
+    assert checked >= 0.5 * sum(possible) and not wrong, (checked, wrong)
+
+
+def forced_argmax(engine: Engine, ref: tuple) -> list[list[int]]:
+    """Per prompt: our greedy choice at each position of transformers' continuation, teacher-forced
+    (the prompt and that continuation as one prompt; the top of each prompt position's logprobs)."""
+    tok = engine.tokenizer
+    out = []
+    for p, (theirs, _) in zip(PROMPTS, ref):
+        ids = tok(p)["input_ids"]
+        first = list(engine.generate(ids + theirs, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)))
+        entries = next(o.prompt_logprobs for o in first if o.prompt_logprobs)
+        out.append([e.top[0][0] for e in entries[len(ids):]])    # entry t: the choice for token t
+    return out
