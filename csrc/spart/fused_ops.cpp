@@ -249,8 +249,9 @@ at::Tensor argmax_rows(const at::Tensor& logits, bool portable) {
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const uint16_t* x = bf(logits);
   int64_t* o = out.data_ptr<int64_t>();
+  const bool vector = kHasAvx512bw && !portable;
   at::parallel_for(0, rows, 1, [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r) o[r] = kHasAvx512bw && !portable ? argmax_row_avx512(x + r * s, n) : argmax_row(x + r * s, n);
+    for (int64_t r = a; r < b; ++r) o[r] = vector ? argmax_row_avx512(x + r * s, n) : argmax_row(x + r * s, n);
   });
   return out;
 }
