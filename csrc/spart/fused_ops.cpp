@@ -173,15 +173,70 @@ FD_CLONES void silu_mul_row(const uint16_t* __restrict g, const uint16_t* __rest
   }
 }
 
-at::Tensor silu_mul(const at::Tensor& gu) {
+// silu_mul_row in AVX-512F, 16 a vector: the same exp, division and roundings, so the same bits.
+// (GCC 12 warns about _mm512_undefined_*() inside its own intrinsics.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define FD_AVX512F_FMA __attribute__((target("avx512f,fma")))
+FD_AVX512F_FMA inline __m512 load_bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Round to nearest even as f2bf (NaN -> 0x7fc0), kept as float bits with the low half zero.
+FD_AVX512F_FMA inline __m512i round_bf16x16(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_mov_epi32(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))), nan,
+                               _mm512_set1_epi32(0x7fc00000));
+}
+
+FD_AVX512F_FMA inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 k_round = _mm512_set1_ps(12582912.f);
+  const __m512 shifted = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), k_round);
+  const __m512 n = _mm512_sub_ps(shifted, k_round);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_sub_epi32(_mm512_castps_si512(shifted), _mm512_castps_si512(k_round));
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(127)), 23)));
+}
+
+FD_AVX512F_FMA void silu_mul_row_avx512(const uint16_t* __restrict g, const uint16_t* __restrict u,
+                                        uint16_t* __restrict o, int64_t n) {
+  const int64_t body = n - n % 16;
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < body; i += 16) {
+    const __m512 x = load_bf16x16(g + i);
+    const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+    const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(round_bf16x16(s)), load_bf16x16(u + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16x16(y), 16)));
+  }
+  if (body < n) silu_mul_row(g + body, u + body, o + body, n - body);
+}
+#pragma GCC diagnostic pop
+
+const bool kHasAvx512f = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+
+at::Tensor silu_mul(const at::Tensor& gu, bool portable) {
   check_rows(gu, "gate_up");
   TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up must have an even number of columns");
   const int64_t rows = gu.size(0), n = gu.size(1) / 2, s = gu.stride(0);
   at::Tensor out = at::empty({rows, n}, gu.options());
   const uint16_t* g = bf(gu);
   uint16_t* o = bf_mut(out);
+  const auto row = kHasAvx512f && !portable ? silu_mul_row_avx512 : silu_mul_row;
   at::parallel_for(0, rows, row_grain(2 * n), [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r) silu_mul_row(g + r * s, g + r * s + n, o + r * n, n);
+    for (int64_t r = a; r < b; ++r) row(g + r * s, g + r * s + n, o + r * n, n);
   });
   return out;
 }
@@ -343,7 +398,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("h"), py::arg("delta"), py::arg("weight"), py::arg("eps"));
   m.def("rope_", &rope_, "rope_(x, cos, sin): rotate x [T, heads, D] in place", py::arg("x"), py::arg("cos"),
         py::arg("sin"));
-  m.def("silu_mul", &silu_mul, "silu_mul(gate_up) -> silu(gate) * up", py::arg("gate_up"));
+  m.def("silu_mul", &silu_mul,
+        "silu_mul(gate_up, portable=False) -> silu(gate) * up (portable: the loop every CPU runs, not the "
+        "AVX-512 one where the CPU has it)",
+        py::arg("gate_up"), py::arg("portable") = false);
   m.def("argmax_rows", &argmax_rows,
         "argmax_rows(logits, portable=False) -> int64 index of each row's first maximum (portable: the "
         "loop every CPU runs, not the AVX-512 one where the CPU has it)",
