@@ -65,7 +65,7 @@ class PyKVStore {
  public:
   PyKVStore(int num_layers, int num_kv_heads, int head_dim, int64_t capacity_bytes, int block_size,
             const std::string& kv_format, int num_threads, const std::string& isa, bool fp16_tail, int k_group,
-            int v_group, bool openmp) {
+            int v_group, bool openmp, bool populate) {
     if (kv_format != "fp16" && kv_format != "int4")
       throw py::value_error("kv_format must be 'fp16' or 'int4', got '" + kv_format + "'");
     if (capacity_bytes <= 0) throw py::value_error("capacity_bytes must be > 0");
@@ -84,7 +84,7 @@ class PyKVStore {
     }
     store_ = std::make_unique<fd::KVStore>(num_layers, num_kv_heads, head_dim, static_cast<size_t>(capacity_bytes),
                                            block_size, int4, num_threads, chosen, fp16_tail, k_group, v_group,
-                                           openmp);
+                                           openmp, populate);
     kv_format_ = kv_format;
   }
 
@@ -213,6 +213,7 @@ class PyKVStore {
     d["bytes_used"] = s.bytes_used;
     d["capacity_bytes"] = s.capacity_bytes;
     d["tail_blocks_used"] = s.tail_blocks_used;
+    d["populated_bytes"] = s.populated_bytes;
     d["tail_blocks_total"] = s.tail_blocks_total;
     return d;
   }
@@ -311,11 +312,12 @@ PYBIND11_MODULE(_kernels, m) {
           },
           py::arg("threads"), "GB/s of one pass over the buffer with `threads` threads");
   py::class_<PyKVStore>(m, "KVStore", py::module_local())
-      .def(py::init<int, int, int, int64_t, int, const std::string&, int, const std::string&, bool, int, int, bool>(),
+      .def(py::init<int, int, int, int64_t, int, const std::string&, int, const std::string&, bool, int, int, bool,
+                    bool>(),
            py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("capacity_bytes"),
            py::arg("block_size") = 16, py::arg("kv_format") = "fp16", py::arg("num_threads") = 0,
            py::arg("isa") = "auto", py::arg("fp16_tail") = false, py::arg("k_group") = 0, py::arg("v_group") = 0,
-           py::arg("openmp") = false)
+           py::arg("openmp") = false, py::arg("populate") = false)
       .def_property_readonly("isa", &PyKVStore::isa)
       .def_property_readonly("num_layers", &PyKVStore::num_layers)
       .def_property_readonly("num_kv_heads", &PyKVStore::num_kv_heads)

@@ -155,7 +155,7 @@ Isa best_isa(const Layout& L) {
 }
 
 KVStore::KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity_bytes, int block_size, bool int4,
-                 int num_threads, Isa isa, bool fp16_tail, int k_group, int v_group, bool openmp)
+                 int num_threads, Isa isa, bool fp16_tail, int k_group, int v_group, bool openmp, bool populate)
     : num_layers_(num_layers), isa_(isa), capacity_bytes_(capacity_bytes), openmp_(openmp) {
   if (num_layers < 1 || num_kv_heads < 1 || head_dim < 1 || block_size < 1)
     throw ValueErr("num_layers, num_kv_heads, head_dim and block_size must be >= 1");
@@ -197,6 +197,10 @@ KVStore::KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity
 #ifdef MADV_HUGEPAGE
   madvise(pool_base_, (used + kHugePage - 1) / kHugePage * kHugePage, MADV_HUGEPAGE);  // best effort
 #endif
+  if (populate) {
+    populator_ = std::make_unique<PagePopulator>(pool_base_, pool_bytes);
+    populator_->reach(pool_bytes);
+  }
   free_list_.resize(nblocks_);
   for (int32_t i = 0; i < nblocks_; ++i) free_list_[i] = nblocks_ - 1 - i;  // pop_back hands out 0, 1, 2, ...
   tail_base_ = pool_base_ + pool_bytes;
@@ -211,6 +215,7 @@ void KVStore::close() {
   std::lock_guard<std::mutex> compute(compute_mu_);
   std::lock_guard<std::mutex> lk(mu_);
   pool_.reset();
+  populator_.reset();
   if (pool_mem_) munmap(pool_mem_, map_bytes_);
   pool_mem_ = pool_base_ = tail_base_ = nullptr;
   seqs_.clear();
@@ -701,6 +706,7 @@ StoreStats KVStore::stats() {
   st.capacity_bytes = static_cast<int64_t>(capacity_bytes_);
   st.tail_blocks_total = pool_base_ ? ntails_ : 0;
   st.tail_blocks_used = st.tail_blocks_total - static_cast<int64_t>(tail_free_.size());
+  st.populated_bytes = populator_ ? static_cast<int64_t>(populator_->populated()) : 0;
   return st;
 }
 

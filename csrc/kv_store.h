@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common.h"
+#include "page_populator.h"
 #include "thread_pool.h"
 
 namespace fd {
@@ -32,6 +33,7 @@ struct Input {
 struct StoreStats {
   int64_t sequences, kv_tokens, blocks_used, blocks_total, bytes_used, capacity_bytes;
   int64_t tail_blocks_used, tail_blocks_total;  // int4 with fp16 tails: the staging blocks
+  int64_t populated_bytes;                       // of the pool, committed ahead by the populator
 };
 
 Isa best_isa(const Layout& L);
@@ -46,8 +48,11 @@ class KVStore {
   // (best effort: when the area is full, a new block's tokens are read as int4 only).
   // k_group, v_group: int4 channels per scale and zero of keys / values (valid_group), 0: the default.
   // openmp: attention runs on the process's OpenMP team instead of a pool of its own (ThreadPool).
+  // populate: the pool's pages are committed from the start, in the order blocks are handed out,
+  // on a thread of their own (PagePopulator).
   KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity_bytes, int block_size, bool int4,
-          int num_threads, Isa isa, bool fp16_tail = false, int k_group = 0, int v_group = 0, bool openmp = false);
+          int num_threads, Isa isa, bool fp16_tail = false, int k_group = 0, int v_group = 0, bool openmp = false,
+          bool populate = false);
   ~KVStore();
   KVStore(const KVStore&) = delete;
   KVStore& operator=(const KVStore&) = delete;
@@ -111,6 +116,7 @@ class KVStore {
   size_t capacity_bytes_;
   int32_t nblocks_;
   std::vector<int32_t> free_list_;
+  std::unique_ptr<PagePopulator> populator_;
   Layout T_;                          // fp16 tails: same shape as L_, fp16 format
   uint8_t* tail_base_ = nullptr;      // inside the same mapping, after the block pool
   int32_t ntails_ = 0;

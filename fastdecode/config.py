@@ -46,6 +46,7 @@ class EngineConfig:
     kv_int4_k_group: int = 0              # int4 (local backend): key channels per scale and zero; 0 = 32
     kv_int4_v_group: int = 0              # int4 (local backend): value channels per scale and zero; 0 = 64
     kv_capacity_bytes: int = 2 << 30      # local backend's KV pool
+    kv_populate: bool = True              # local backend: commit the pool's memory from the start, not at first use
     kv_block_size: int = 16               # tokens per KV block
     kernel_threads: int = 0               # 0 = all cores
 
@@ -85,6 +86,7 @@ class EngineConfig:
               "mutual TLS (rworker_tls_cert) needs rworker_tls_ca to verify the R-workers")
         check(self.kv_block_size >= 1 and self.kv_capacity_bytes > 0, "kv_block_size and kv_capacity_bytes > 0")
         check(isinstance(self.kv_int4_fp16_tail, bool), "kv_int4_fp16_tail must be a bool")
+        check(isinstance(self.kv_populate, bool), "kv_populate must be a bool")
         for name in ("kv_int4_k_group", "kv_int4_v_group"):
             value = getattr(self, name)
             check(type(value) is int and value in INT4_GROUPS,

@@ -149,6 +149,9 @@ def _ints(x, name: str) -> np.ndarray:
 class KVStore:
     """Paged KV-cache + decode attention (see module docstring).
 
+    populate: a thread of the store commits the pool's pages ahead of use (64 MiB at first, then twice
+    the highest block handed out), so that appends do not stall on first-touch page faults.
+
     Errors: KeyError (unknown sequence id), ValueError (shape, dtype, NaN/inf,
     layer out of range, duplicate ids in one call), KVCapacityError (pool
     exhausted; nothing of the call was stored).
@@ -156,19 +159,21 @@ class KVStore:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity_bytes: int,
                  block_size: int = 16, kv_format: str = "fp16", num_threads: int = 0, isa: str = "auto",
-                 fp16_tail: bool = True, k_group: int = 0, v_group: int = 0, openmp: bool = False) -> None:
+                 fp16_tail: bool = True, k_group: int = 0, v_group: int = 0, openmp: bool = False,
+                 populate: bool = True) -> None:
         if kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
         if isa not in ISAS:
             raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
-        if not isinstance(fp16_tail, (bool, np.bool_)):
-            raise ValueError(f"fp16_tail must be a bool, got {fp16_tail!r}")
+        for name, flag in (("fp16_tail", fp16_tail), ("populate", populate)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
         for name, group in (("k_group", k_group), ("v_group", v_group)):
             if isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer)):
                 raise ValueError(f"{name} must be an int (16, 32, 64, 128 or 0 for the default), got {group!r}")
         self._s = _kernels.KVStore(int(num_layers), int(num_kv_heads), int(head_dim), int(capacity_bytes),
                                    int(block_size), kv_format, int(num_threads), isa, bool(fp16_tail),
-                                   int(k_group), int(v_group), bool(openmp))
+                                   int(k_group), int(v_group), bool(openmp), bool(populate))
         self.num_layers = int(num_layers)
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
@@ -238,7 +243,9 @@ class KVStore:
         return self._s.read(_int(seq_id, "seq_id"), _int(layer, "layer"))
 
     def stats(self) -> dict:
-        """sequences, kv_tokens (per sequence: its longest layer), blocks_used, blocks_total, bytes_used, capacity_bytes."""
+        """sequences, kv_tokens (per sequence: its longest layer), blocks_used, blocks_total, bytes_used, capacity_bytes,
+        tail_blocks_used, tail_blocks_total, populated_bytes (committed ahead of use; 0 without populate or where
+        the OS cannot)."""
         return self._s.stats()
 
     def close(self) -> None:

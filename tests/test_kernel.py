@@ -38,7 +38,9 @@ BS = 16
 
 
 def make_store(hkv, d, fmt="fp16", isa="auto", layers=2, capacity=16 << 20, threads=2, block_size=BS):
-    return KVStore(layers, hkv, d, capacity, block_size=block_size, kv_format=fmt, num_threads=threads, isa=isa)
+    """populate=False: no thread but the pool's (tests/test_kernel_threads.py counts them)."""
+    return KVStore(layers, hkv, d, capacity, block_size=block_size, kv_format=fmt, num_threads=threads, isa=isa,
+                   populate=False)
 
 
 def fill(store, rng, layer, ids, lens, scale=1.0):

@@ -49,6 +49,7 @@ class LocalAttention(AttentionBackend):
                              block_size=config.kv_block_size, kv_format=config.kv_format,
                              num_threads=config.kernel_threads or (0 if self.overlaps else torch.get_num_threads()),
                              fp16_tail=config.kv_int4_fp16_tail, openmp=not self.overlaps,
+                             populate=config.kv_populate,
                              **({"k_group": config.kv_int4_k_group, "v_group": config.kv_int4_v_group}
                                 if config.kv_format == "int4" else {}))
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdecode-rpart") if self.overlaps else None
