@@ -199,6 +199,12 @@ class PyKVStore {
     return py::make_tuple(ka, va);
   }
 
+  bool wait_populated(double timeout_s) {
+    if (!(timeout_s >= 0.0)) throw py::value_error("timeout_s must be >= 0");
+    py::gil_scoped_release nogil;
+    return store_->wait_populated(timeout_s);
+  }
+
   py::dict stats() {
     fd::StoreStats s;
     {
@@ -341,6 +347,7 @@ PYBIND11_MODULE(_kernels, m) {
            py::arg("v"), py::arg("scale") = py::none())
       .def("read", &PyKVStore::read)
       .def("stats", &PyKVStore::stats)
+      .def("wait_populated", &PyKVStore::wait_populated, py::arg("timeout_s"))
       .def("set_threads", &PyKVStore::set_threads)
       .def("close", &PyKVStore::close);
 }

@@ -197,10 +197,7 @@ KVStore::KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity
 #ifdef MADV_HUGEPAGE
   madvise(pool_base_, (used + kHugePage - 1) / kHugePage * kHugePage, MADV_HUGEPAGE);  // best effort
 #endif
-  if (populate) {
-    populator_ = std::make_unique<PagePopulator>(pool_base_, pool_bytes);
-    populator_->reach(pool_bytes);
-  }
+  if (populate) populator_ = std::make_unique<PagePopulator>(pool_base_, pool_bytes);
   free_list_.resize(nblocks_);
   for (int32_t i = 0; i < nblocks_; ++i) free_list_[i] = nblocks_ - 1 - i;  // pop_back hands out 0, 1, 2, ...
   tail_base_ = pool_base_ + pool_bytes;
@@ -689,6 +686,11 @@ void KVStore::read(int64_t id, int layer, std::vector<float>* k, std::vector<flo
       }
     }
   }
+}
+
+bool KVStore::wait_populated(double timeout_s) {
+  std::lock_guard<std::mutex> compute(compute_mu_);  // close() takes it before resetting the populator
+  return !populator_ || populator_->wait(timeout_s);
 }
 
 StoreStats KVStore::stats() {

@@ -49,7 +49,7 @@ class KVStore {
   // k_group, v_group: int4 channels per scale and zero of keys / values (valid_group), 0: the default.
   // openmp: attention runs on the process's OpenMP team instead of a pool of its own (ThreadPool).
   // populate: the pool's pages are committed from the start, in the order blocks are handed out,
-  // on a thread of their own (PagePopulator).
+  // on a thread of their own (PagePopulator); wait_populated() waits for it.
   KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity_bytes, int block_size, bool int4,
           int num_threads, Isa isa, bool fp16_tail = false, int k_group = 0, int v_group = 0, bool openmp = false,
           bool populate = false);
@@ -68,6 +68,9 @@ class KVStore {
   // Dequantized (int4) or widened (fp16) cache of one sequence: k, v [len, Hkv, D] fp32.
   void read(int64_t id, int layer, std::vector<float>* k, std::vector<float>* v);
   StoreStats stats();
+  // Until the pool is populated (or populating stopped short); false on timeout. Holds attention
+  // back meanwhile: for startup.
+  bool wait_populated(double timeout_s);
   void set_threads(int num_threads);
   void close();  // frees the pool; later calls raise ValueErr
 

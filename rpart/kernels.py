@@ -149,8 +149,9 @@ def _ints(x, name: str) -> np.ndarray:
 class KVStore:
     """Paged KV-cache + decode attention (see module docstring).
 
-    populate: a thread of the store commits the pool's pages ahead of use (64 MiB at first, then twice
-    the highest block handed out), so that appends do not stall on first-touch page faults.
+    populate: a thread of the store commits the pool's pages from the start, front to back (the order
+    blocks are handed out), so that appends do not stall on first-touch page faults; it stops 1 GiB
+    short of the memory left. wait_populated() waits for it.
 
     Errors: KeyError (unknown sequence id), ValueError (shape, dtype, NaN/inf,
     layer out of range, duplicate ids in one call), KVCapacityError (pool
@@ -241,6 +242,13 @@ class KVStore:
     def read(self, seq_id: int, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The cache as the kernel sees it (fp16 widened, int4 dequantized): k, v float32 [T, Hkv, D]."""
         return self._s.read(_int(seq_id, "seq_id"), _int(layer, "layer"))
+
+    def wait_populated(self, timeout_s: float = 600.0) -> bool:
+        """Until the pool's pages are committed (or committing stopped short of the memory left); False on
+        timeout. Attention waits meanwhile: call it at startup."""
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+            raise ValueError(f"timeout_s must be a number, got {timeout_s!r}")
+        return self._s.wait_populated(float(timeout_s))
 
     def stats(self) -> dict:
         """sequences, kv_tokens (per sequence: its longest layer), blocks_used, blocks_total, bytes_used, capacity_bytes,

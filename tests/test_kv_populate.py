@@ -12,6 +12,11 @@ SUPPORTED = tuple(int(x) for x in os.uname().release.split(".")[:2] if x.isdigit
 HKV, D, BS = 2, 64, 16
 
 
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
 def populated(store: KVStore, want: int, timeout_s: float = 60.0) -> int:
     deadline = time.monotonic() + timeout_s
     while (got := store.stats()["populated_bytes"]) < want and time.monotonic() < deadline:
@@ -71,6 +76,28 @@ def test_populate_must_be_a_bool(bad):
         KVStore(1, HKV, D, 1 << 20, populate=bad)
 
 
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), "1", True])
+def test_wait_populated_refuses_a_bad_timeout(bad):
+    store = KVStore(1, HKV, D, 1 << 20)
+    with pytest.raises(ValueError, match="timeout_s"):
+        store.wait_populated(bad)
+    assert store.wait_populated(60.0)
+    store.close()
+
+
+def test_wait_populated_waits_for_the_whole_pool_and_times_out_meanwhile():
+    store = KVStore(1, HKV, D, 1 << 30)
+    assert store.wait_populated(600.0)
+    if SUPPORTED:
+        assert store.stats()["populated_bytes"] >= store.stats()["blocks_total"] * BS * HKV * D * 4
+    store.close()
+    assert KVStore(1, HKV, D, 1 << 20, populate=False).wait_populated(0.0)   # nothing to wait for
+    if SUPPORTED and mem_available() > 8 << 30:
+        big = KVStore(1, HKV, D, 4 << 30)
+        assert not big.wait_populated(0.0)      # 4 GiB are not committed in no time
+        big.close()
+
+
 def test_engine_setting_reaches_the_store():
     from fastdecode.config import EngineConfig
     from fastdecode.attention.base import KVSpec
@@ -89,3 +116,17 @@ def test_engine_setting_reaches_the_store():
     for bad in ("true", 1):
         with pytest.raises(ValueError, match="kv_populate"):
             EngineConfig(kv_populate=bad)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SUPPORTED, reason="MADV_POPULATE_WRITE needs Linux 5.14")
+def test_a_pool_larger_than_the_memory_is_populated_only_up_to_a_reserve():
+    """Populating a pool larger than the machine's memory would end in the OOM killer: it stops 1 GiB
+    short of what is available, and the rest is taken on first use."""
+    avail = mem_available()
+    store = KVStore(1, HKV, D, avail + (2 << 30))
+    assert store.wait_populated(600.0)
+    last = store.stats()["populated_bytes"]
+    assert 0 < last <= avail          # MemAvailable is an estimate: what is left is checked after
+    assert mem_available() >= 512 << 20
+    store.close()

@@ -52,6 +52,8 @@ class LocalAttention(AttentionBackend):
                              populate=config.kv_populate,
                              **({"k_group": config.kv_int4_k_group, "v_group": config.kv_int4_v_group}
                                 if config.kv_format == "int4" else {}))
+        if config.kv_populate:
+            self.store.wait_populated()     # startup, not the first steps, pays for committing the pool
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdecode-rpart") if self.overlaps else None
         self._open: set[int] = set()  # checked at submit without waiting for a running kernel call
 
