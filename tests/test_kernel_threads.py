@@ -28,7 +28,8 @@ def test_decode_many_sequences_threads_match_one_thread(fmt, openmp):
     hkv, d, h, n = 3, 64, 9, 48
     ids = list(range(100, 100 + n))
     lens = [(i * 7) % (3 * BS) for i in range(n)]
-    stores = [KVStore(2, hkv, d, 16 << 20, block_size=BS, kv_format=fmt, num_threads=t, openmp=openmp)
+    stores = [KVStore(2, hkv, d, 16 << 20, block_size=BS, kv_format=fmt, num_threads=t, openmp=openmp,
+                      populate=False)
               for t in (1, 2)]
     k0 = rng.standard_normal((sum(lens), hkv, d)).astype(np.float32)
     v0 = rng.standard_normal((sum(lens), hkv, d)).astype(np.float32)
