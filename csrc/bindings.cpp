@@ -24,12 +24,19 @@ std::string shape_str(const py::array& a) {
   return s + (a.ndim() == 1 ? ",)" : ")");
 }
 
-// A float32/float16 C-contiguous array of the given rank.
+std::string strides_str(const py::array& a) {
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.strides(i));
+  return s + ")";
+}
+
+// A float32 / float16 / bfloat16 (numpy uint16: numpy has no bfloat16; its bits) array of the given
+// rank, each row (index of the first dimension) C-contiguous; the rows may lie further apart (a view
+// of a wider buffer), at a whole number of elements, never overlapping.
 Input float_input(const py::array& a, const char* name, int ndim) {
   if (a.ndim() != ndim)
     throw py::value_error(std::string(name) + " must have " + std::to_string(ndim) + " dimensions, got shape " +
                           shape_str(a));
-  if (!(a.flags() & py::array::c_style)) throw py::value_error(std::string(name) + " must be C-contiguous");
   const py::dtype dt = a.dtype();
   Input in;
   in.data = a.data();
@@ -37,8 +44,31 @@ Input float_input(const py::array& a, const char* name, int ndim) {
     in.dtype = DType::f32;
   else if (dt.kind() == 'f' && dt.itemsize() == 2)
     in.dtype = DType::f16;
+  else if (dt.kind() == 'u' && dt.itemsize() == 2)
+    in.dtype = DType::bf16;
   else
-    throw py::value_error(std::string(name) + " must be float32 or float16, got " + std::string(py::str(dt)));
+    throw py::value_error(std::string(name) + " must be float32, float16 or bfloat16 (as uint16), got " +
+                          std::string(py::str(dt)));
+  const py::ssize_t item = dt.itemsize();
+  py::ssize_t len = 1, expect = item;
+  const bool empty = a.size() == 0;  // any strides
+  for (py::ssize_t d = a.ndim() - 1; d >= 1; --d) {  // the rows themselves: C-contiguous
+    if (!empty && a.shape(d) > 1 && a.strides(d) != expect)
+      throw py::value_error(std::string(name) + " must be C-contiguous within each row (index of its first "
+                            "dimension), got shape " + shape_str(a) + " strides " + strides_str(a));
+    expect *= a.shape(d);
+    len *= a.shape(d);
+  }
+  py::ssize_t row = len;
+  if (!empty && a.shape(0) > 1) {
+    const py::ssize_t s0 = a.strides(0);
+    if (s0 < len * item || s0 % item != 0)
+      throw py::value_error(std::string(name) + " has rows that overlap or are not a whole number of elements "
+                            "apart: shape " + shape_str(a) + " strides " + strides_str(a));
+    row = s0 / item;
+  }
+  in.row = static_cast<size_t>(row);
+  in.row_len = static_cast<size_t>(len);
   return in;
 }
 
@@ -147,24 +177,31 @@ class PyKVStore {
     store_->append_span(layer, p, B, lp, ki, vi);
   }
 
-  py::array_t<float> attend(int layer, const py::array& ids, const py::array& q, py::object scale) {
+  // The output [B, H, D]: float32, or with bf16_out bfloat16 bits (uint16).
+  py::array output(int B, int H, bool bf16_out) {
+    const std::vector<py::ssize_t> shape{B, H, static_cast<py::ssize_t>(store_->layout().head_dim)};
+    if (bf16_out) return py::array_t<uint16_t>(shape);
+    return py::array_t<float>(shape);
+  }
+
+  py::array attend(int layer, const py::array& ids, const py::array& q, py::object scale, bool bf16_out) {
     const int64_t* p = int_input(ids, "seq_ids");
     const int B = static_cast<int>(ids.shape(0));
     const Input qi = float_input(q, "q", 3);
     const int H = check_q_shape(q, B);
     const float sc = scale_of(scale);
-    py::array_t<float> out({static_cast<py::ssize_t>(B), static_cast<py::ssize_t>(H),
-                            static_cast<py::ssize_t>(store_->layout().head_dim)});
-    float* o = out.mutable_data();
+    py::array out = output(B, H, bf16_out);
+    void* o = out.mutable_data();
     {
       py::gil_scoped_release nogil;
-      store_->attend(layer, p, B, H, qi, sc, o);
+      store_->attend(layer, p, B, H, qi, sc, bf16_out ? nullptr : static_cast<float*>(o),
+                     bf16_out ? static_cast<uint16_t*>(o) : nullptr);
     }
     return out;
   }
 
-  py::array_t<float> decode(int layer, const py::array& ids, const py::array& q, const py::array& k,
-                            const py::array& v, py::object scale) {
+  py::array decode(int layer, const py::array& ids, const py::array& q, const py::array& k, const py::array& v,
+                   py::object scale, bool bf16_out) {
     const int64_t* p = int_input(ids, "seq_ids");
     const int B = static_cast<int>(ids.shape(0));
     const Input qi = float_input(q, "q", 3), ki = float_input(k, "k", 3), vi = float_input(v, "v", 3);
@@ -172,12 +209,12 @@ class PyKVStore {
     check_kv_shape(k, "k", B);
     check_kv_shape(v, "v", B);
     const float sc = scale_of(scale);
-    py::array_t<float> out({static_cast<py::ssize_t>(B), static_cast<py::ssize_t>(H),
-                            static_cast<py::ssize_t>(store_->layout().head_dim)});
-    float* o = out.mutable_data();
+    py::array out = output(B, H, bf16_out);
+    void* o = out.mutable_data();
     {
       py::gil_scoped_release nogil;
-      store_->decode(layer, p, B, H, qi, ki, vi, sc, o);
+      store_->decode(layer, p, B, H, qi, ki, vi, sc, bf16_out ? nullptr : static_cast<float*>(o),
+                     bf16_out ? static_cast<uint16_t*>(o) : nullptr);
     }
     return out;
   }
@@ -342,9 +379,9 @@ PYBIND11_MODULE(_kernels, m) {
       .def("append", &PyKVStore::append)
       .def("append_span", &PyKVStore::append_span)
       .def("attend", &PyKVStore::attend, py::arg("layer"), py::arg("seq_ids"), py::arg("q"),
-           py::arg("scale") = py::none())
+           py::arg("scale") = py::none(), py::arg("bf16_out") = false)
       .def("decode", &PyKVStore::decode, py::arg("layer"), py::arg("seq_ids"), py::arg("q"), py::arg("k"),
-           py::arg("v"), py::arg("scale") = py::none())
+           py::arg("v"), py::arg("scale") = py::none(), py::arg("bf16_out") = false)
       .def("read", &PyKVStore::read)
       .def("stats", &PyKVStore::stats)
       .def("wait_populated", &PyKVStore::wait_populated, py::arg("timeout_s"))

@@ -27,10 +27,6 @@ constexpr int64_t kParallelMin = 4096;
 // Decode appends: sequences ahead whose destination lines are requested before the current write.
 constexpr size_t kWriteAhead = 2;
 
-// Decode appends: below this many (sequence x kv head) writes they stay on the calling thread;
-// above, threads take sequences kWriteChunk at a time.
-constexpr int64_t kParallelWrites = 96;
-constexpr int kWriteChunk = 16;
 
 std::string id_str(int64_t id) { return std::to_string(id); }
 
@@ -88,15 +84,41 @@ void to_float(const uint16_t* x, float* y, size_t n) {
   for (size_t i = 0; i < n; ++i) y[i] = h2f(x[i]);
 }
 
-// One token of one kv head into an fp16 region (layout L): K transposed, V as a row.
-void write_fp16_head(const Layout& L, uint8_t* head, int slot, const Input& k, const Input& v, size_t base) {
+}  // namespace
+
+void Input::floats(size_t at, float* y, size_t n) const {
+  if (dtype == DType::f32) {
+    std::memcpy(y, static_cast<const float*>(data) + at, n * 4);
+  } else if (dtype == DType::f16) {
+    to_float(static_cast<const uint16_t*>(data) + at, y, n);
+  } else {
+    const uint16_t* x = static_cast<const uint16_t*>(data) + at;
+    for (size_t i = 0; i < n; ++i) y[i] = bf2f(x[i]);
+  }
+}
+
+const uint16_t* Input::halves(size_t at, uint16_t* scratch, size_t n) const {
+  if (dtype == DType::f16) return static_cast<const uint16_t*>(data) + at;
+  if (dtype == DType::f32) {
+    to_half(static_cast<const float*>(data) + at, scratch, n);
+  } else {
+    alignas(64) float x[4096];
+    floats(at, x, n);
+    to_half(x, scratch, n);
+  }
+  return scratch;
+}
+
+namespace {
+
+// One token of one kv head into an fp16 region (layout L): K transposed, V as a row; the token is
+// row src of k and v, the head h.
+void write_fp16_head(const Layout& L, uint8_t* head, int slot, const Input& k, const Input& v, size_t src, int h) {
   const int D = L.head_dim;
+  const size_t c = static_cast<size_t>(h) * D;
   alignas(64) uint16_t kh[4096], vh[4096];
-  const uint16_t *ks = kh, *vs = vh;
-  if (k.dtype == DType::f16) ks = static_cast<const uint16_t*>(k.data) + base;
-  else to_half(static_cast<const float*>(k.data) + base, kh, D);
-  if (v.dtype == DType::f16) vs = static_cast<const uint16_t*>(v.data) + base;
-  else to_half(static_cast<const float*>(v.data) + base, vh, D);
+  const uint16_t* ks = k.halves(k.offset(src, c), kh, D);
+  const uint16_t* vs = v.halves(v.offset(src, c), vh, D);
   uint16_t* K = reinterpret_cast<uint16_t*>(head + L.k_off);
   for (int d = 0; d < D; ++d) K[static_cast<size_t>(d) * L.bsp + slot] = ks[d];
   std::memcpy(head + L.v_off + static_cast<size_t>(slot) * D * 2, vs, static_cast<size_t>(D) * 2);
@@ -275,14 +297,36 @@ bool any_at_least(const float* x, size_t n, float limit) {
   return bad != 0;
 }
 
+// float32 -> bfloat16 bits, rounded to nearest even (finite inputs: the kernel's outputs).
+void to_bf16(const float* x, uint16_t* y, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, x + i, 4);
+    y[i] = static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+  }
+}
+
+// Whether any bf16 of x[0..n) lies outside fp16's range (65520 and up rounds to inf) or is NaN:
+// |x| from 0x4780 (65536) up, compared as bits, branch-free.
+bool any_bf16_beyond_fp16(const uint16_t* x, size_t n) {
+  uint16_t bad = 0;
+  for (size_t i = 0; i < n; ++i) bad |= static_cast<uint16_t>((x[i] & 0x7fffu) >= 0x4780u);
+  return bad != 0;
+}
+
 }  // namespace
 
 void KVStore::check_kv_values(Input x, size_t count, const char* name) const {
-  if (x.dtype == DType::f16) {
-    if (any_masked_all<uint16_t>(static_cast<const uint16_t*>(x.data), count, 0x7c00u))
-      throw ValueErr(std::string(name) + " contains NaN or inf");
-  } else if (any_at_least(static_cast<const float*>(x.data), count, 65520.0f)) {
-    throw ValueErr(std::string(name) + " contains NaN, inf or a value outside the fp16 range");
+  const size_t len = x.row_len ? x.row_len : count, rows = len ? count / len : 0;
+  for (size_t r = 0; r < rows; ++r) {
+    const size_t at = x.offset(r, 0);
+    if (x.dtype == DType::f16) {
+      if (any_masked_all<uint16_t>(static_cast<const uint16_t*>(x.data) + at, len, 0x7c00u))
+        throw ValueErr(std::string(name) + " contains NaN or inf");
+    } else if (x.dtype == DType::bf16 ? any_bf16_beyond_fp16(static_cast<const uint16_t*>(x.data) + at, len)
+                                      : any_at_least(static_cast<const float*>(x.data) + at, len, 65520.0f)) {
+      throw ValueErr(std::string(name) + " contains NaN, inf or a value outside the fp16 range");
+    }
   }
 }
 
@@ -307,10 +351,12 @@ void KVStore::free(const int64_t* ids, int n) {
   for (int i = 0; i < n; ++i) {
     auto it = seqs_.find(ids[i]);
     if (it == seqs_.end()) continue;
+    std::vector<int32_t>& blocks = deferring_frees_ ? deferred_blocks_ : free_list_;
+    std::vector<int32_t>& tails = deferring_frees_ ? deferred_tails_ : tail_free_;
     for (auto& layer_blocks : it->second.blocks)
-      for (int32_t b : layer_blocks) free_list_.push_back(b);
+      for (int32_t b : layer_blocks) blocks.push_back(b);
     for (int32_t t : it->second.tail)
-      if (t >= 0) tail_free_.push_back(t);
+      if (t >= 0) tails.push_back(t);
     seqs_.erase(it);
   }
 }
@@ -329,25 +375,20 @@ int KVStore::length(int64_t id, int layer) {
 }
 
 void KVStore::write_token(Seq& s, int layer, int pos, const Input& k, const Input& v, size_t src) {
-  const int D = L_.head_dim, Hkv = L_.num_kv_heads, bs = L_.block_size, bsp = L_.bsp;
-  const int32_t block = s.blocks[layer][pos / bs];
-  const int slot = pos % bs;
+  write_heads(s.blocks[layer][pos / L_.block_size], pos % L_.block_size, k, v, src, 0, L_.num_kv_heads);
+}
+
+void KVStore::write_heads(int32_t block, int slot, const Input& k, const Input& v, size_t src, int h0, int h1) {
+  const int D = L_.head_dim, bsp = L_.bsp;
   alignas(64) float kx[4096], vx[4096];
-  for (int h = 0; h < Hkv; ++h) {
+  for (int h = h0; h < h1; ++h) {
     uint8_t* head = pool_base_ + L_.region(block, h);
-    const size_t base = (src * Hkv + h) * D;
     if (!L_.int4) {
-      write_fp16_head(L_, head, slot, k, v, base);
+      write_fp16_head(L_, head, slot, k, v, src, h);
       continue;
     }
-    if (k.dtype == DType::f16)
-      to_float(static_cast<const uint16_t*>(k.data) + base, kx, D);
-    else
-      std::memcpy(kx, static_cast<const float*>(k.data) + base, static_cast<size_t>(D) * 4);
-    if (v.dtype == DType::f16)
-      to_float(static_cast<const uint16_t*>(v.data) + base, vx, D);
-    else
-      std::memcpy(vx, static_cast<const float*>(v.data) + base, static_cast<size_t>(D) * 4);
+    k.floats(k.offset(src, static_cast<size_t>(h) * D), kx, D);
+    v.floats(v.offset(src, static_cast<size_t>(h) * D), vx, D);
     const int kg = L_.kgroup, vg = L_.vgroup;
     uint32_t* Kn = reinterpret_cast<uint32_t*>(head + L_.k_off);
     uint16_t* Ks = reinterpret_cast<uint16_t*>(head + L_.ks_off);
@@ -374,10 +415,13 @@ void KVStore::write_token(Seq& s, int layer, int pos, const Input& k, const Inpu
 }
 
 void KVStore::write_tail(Seq& s, int layer, int pos, const Input& k, const Input& v, size_t src) {
-  const int Hkv = T_.num_kv_heads, slot = pos % T_.block_size;
-  uint8_t* block = tail_base_ + static_cast<size_t>(s.tail[layer]) * T_.block_bytes;
-  for (int h = 0; h < Hkv; ++h)
-    write_fp16_head(T_, block + static_cast<size_t>(h) * T_.head_bytes, slot, k, v, (src * Hkv + h) * T_.head_dim);
+  write_tail_heads(s.tail[layer], pos % T_.block_size, k, v, src, 0, T_.num_kv_heads);
+}
+
+void KVStore::write_tail_heads(int32_t tail, int slot, const Input& k, const Input& v, size_t src, int h0, int h1) {
+  uint8_t* block = tail_base_ + static_cast<size_t>(tail) * T_.block_bytes;
+  for (int h = h0; h < h1; ++h)
+    write_fp16_head(T_, block + static_cast<size_t>(h) * T_.head_bytes, slot, k, v, src, h);
 }
 
 // The lines a write of s's next token at `layer` will touch, where its block exists already (decode
@@ -386,10 +430,13 @@ void KVStore::write_tail(Seq& s, int layer, int pos, const Input& k, const Input
 void KVStore::prefetch_token(const Seq& s, int layer) const {
   const int pos = s.len[layer], bs = L_.block_size;
   if (pos % bs == 0) return;  // a block still to take from the free list
-  const int32_t block = s.blocks[layer][pos / bs];
-  const int slot = pos % bs, D = L_.head_dim;
+  prefetch_heads(s.blocks[layer][pos / bs], pos % bs, 0, L_.num_kv_heads);
+}
+
+void KVStore::prefetch_heads(int32_t block, int slot, int h0, int h1) const {
+  const int D = L_.head_dim;
   const size_t row = static_cast<size_t>(L_.bsp) * 2, rows_per_line = std::max<size_t>(1, 64 / row);
-  for (int h = 0; h < L_.num_kv_heads; ++h) {
+  for (int h = h0; h < h1; ++h) {
     const uint8_t* head = pool_base_ + L_.region(block, h);
     if (L_.int4) {  // a token's nibbles, scales and zeros lie across the whole (small) region
       for (size_t o = 0; o < L_.head_bytes; o += 64) __builtin_prefetch(head + o, 1, 3);
@@ -457,29 +504,56 @@ void KVStore::append_locked(int layer, const std::vector<Seq*>& seqs, const int6
   }
 }
 
-// append_locked of one token per sequence (decode), its writes shared among the threads: each
-// write is a few dozen cache misses (the K rows of a token lie one per line), and on one thread
-// they took about a quarter of a call at 128 sequences and short contexts. The bookkeeping
-// (begin_token, the lengths) stays on this thread, in the order of append_locked.
-void KVStore::append_tokens_locked(int layer, const std::vector<Seq*>& seqs, Input k, Input v) {
-  const int n = static_cast<int>(seqs.size());
-  const int T = static_cast<int64_t>(n) * L_.num_kv_heads < kParallelWrites ? 1 : pool_->size();
-  if (T == 1) return append_locked(layer, seqs, nullptr, k, v);
+void KVStore::plan_writes_locked(int layer, const std::vector<Seq*>& seqs, Input k, Input v) {
   check_room_locked(layer, seqs, nullptr);
-  for (Seq* s : seqs) begin_token(*s, layer, s->len[layer]);  // in order, as append_locked does
-  const int nchunks = (n + kWriteChunk - 1) / kWriteChunk;
-  std::atomic<int> next{0};
-  pool_->run([&](int tid) {
-    if (tid >= T) return;
-    for (int c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1)) {
-      const int end = std::min(n, (c + 1) * kWriteChunk);
-      for (int i = c * kWriteChunk; i < end; ++i) {
-        if (i + static_cast<int>(kWriteAhead) < end) prefetch_token(*seqs[i + kWriteAhead], layer);
-        write_at(*seqs[i], layer, seqs[i]->len[layer], k, v, i);
-      }
+  const size_t n = seqs.size();
+  TokenWrites& w = writes_;
+  w.block.resize(n);
+  w.tail.resize(n);
+  w.slot.resize(n);
+  w.tail_slot.resize(n);
+  w.k = k;
+  w.v = v;
+  for (size_t i = 0; i < n; ++i) {
+    Seq& s = *seqs[i];
+    const int pos = s.len[layer];
+    begin_token(s, layer, pos);  // in order, as append_locked does
+    w.block[i] = s.blocks[layer][pos / L_.block_size];
+    w.slot[i] = pos % L_.block_size;
+    w.tail[i] = s.tail[layer];
+    w.tail_slot[i] = pos % T_.block_size;
+    s.len[layer] = pos + 1;
+  }
+}
+
+// Item i covers sequence i / spans, kv heads [h0, h0 + span) (see run_attention).
+void KVStore::write_items(int begin, int end, int span) {
+  const TokenWrites& w = writes_;
+  const int Hkv = L_.num_kv_heads, spans = (Hkv + span - 1) / span;
+  auto heads = [&](int i, int& b, int& h0, int& h1) {
+    b = i / spans;
+    h0 = (i % spans) * span;
+    h1 = std::min(Hkv, h0 + span);
+  };
+  for (int i = begin; i < end; ++i) {
+    int b, h0, h1;
+    if (i + static_cast<int>(kWriteAhead) < end) {
+      heads(i + static_cast<int>(kWriteAhead), b, h0, h1);
+      prefetch_heads(w.block[b], w.slot[b], h0, h1);
     }
-  });
-  for (Seq* s : seqs) ++s->len[layer];
+    heads(i, b, h0, h1);
+    write_heads(w.block[b], w.slot[b], w.k, w.v, b, h0, h1);
+    if (w.tail[b] >= 0) write_tail_heads(w.tail[b], w.tail_slot[b], w.k, w.v, b, h0, h1);
+  }
+}
+
+void KVStore::release_deferred_frees() {
+  std::lock_guard<std::mutex> lk(mu_);
+  deferring_frees_ = false;
+  free_list_.insert(free_list_.end(), deferred_blocks_.begin(), deferred_blocks_.end());
+  tail_free_.insert(tail_free_.end(), deferred_tails_.begin(), deferred_tails_.end());
+  deferred_blocks_.clear();
+  deferred_tails_.clear();
 }
 
 void KVStore::append(int layer, const int64_t* ids, int B, Input k, Input v) {
@@ -507,17 +581,25 @@ void KVStore::append_span(int layer, const int64_t* ids, int B, const int64_t* l
 void KVStore::scale_q(Input q, size_t count, float scale) {
   if (qs_.size() < count) qs_.resize(count);
   const float mult = scale * 1.4426950408889634f;
-  float* dst = qs_.data();
-  bool bad;
-  if (q.dtype == DType::f16) {
-    const uint16_t* p = static_cast<const uint16_t*>(q.data);
-    bad = any_masked_all<uint16_t>(p, count, 0x7c00u);
-    to_float(p, dst, count);
-    for (size_t i = 0; i < count; ++i) dst[i] *= mult;
-  } else {
-    const float* p = static_cast<const float*>(q.data);
-    bad = any_masked_all<uint32_t>(reinterpret_cast<const uint32_t*>(p), count, 0x7f800000u);
-    for (size_t i = 0; i < count; ++i) dst[i] = p[i] * mult;
+  const size_t len = q.row_len ? q.row_len : count, rows = len ? count / len : 0;
+  bool bad = false;
+  for (size_t r = 0; r < rows; ++r) {
+    float* dst = qs_.data() + r * len;
+    const size_t at = q.offset(r, 0);
+    if (q.dtype == DType::f16) {
+      const uint16_t* p = static_cast<const uint16_t*>(q.data) + at;
+      bad |= any_masked_all<uint16_t>(p, len, 0x7c00u);
+      to_float(p, dst, len);
+      for (size_t i = 0; i < len; ++i) dst[i] *= mult;
+    } else if (q.dtype == DType::bf16) {
+      const uint16_t* p = static_cast<const uint16_t*>(q.data) + at;
+      bad |= any_masked_all<uint16_t>(p, len, 0x7f80u);
+      for (size_t i = 0; i < len; ++i) dst[i] = bf2f(p[i]) * mult;
+    } else {
+      const float* p = static_cast<const float*>(q.data) + at;
+      bad |= any_masked_all<uint32_t>(reinterpret_cast<const uint32_t*>(p), len, 0x7f800000u);
+      for (size_t i = 0; i < len; ++i) dst[i] = p[i] * mult;
+    }
   }
   if (bad) throw ValueErr("q contains NaN or inf");
 }
@@ -550,10 +632,14 @@ void KVStore::snapshot_locked(int layer, const std::vector<Seq*>& seqs) {
 
 // Runs without mu_ (other sequences may be appended, created or freed meanwhile)
 // but under compute_mu_, which keeps the pool mapped and the thread pool ours.
-void KVStore::run_attention(int H, float* out) {
+void KVStore::run_attention(int H, float* out, bool writes, uint16_t* out_bf16) {
   const Snapshot& snap = snap_;
-  const int B = static_cast<int>(snap.lens.size()), Hkv = L_.num_kv_heads, G = H / Hkv;
+  const int B = static_cast<int>(snap.lens.size()), Hkv = L_.num_kv_heads, G = H / Hkv, D = L_.head_dim;
   if (B == 0) return;
+  if (out_bf16) {
+    of_.resize(static_cast<size_t>(B) * H * D);
+    out = of_.data();
+  }
 
   AttnJob job;
   job.L = &L_;
@@ -586,8 +672,20 @@ void KVStore::run_attention(int H, float* out) {
   const size_t need = scratch_floats(L_, G, span);
   for (int t = 0; t < T; ++t)
     if (scratch_[t].size() < need) scratch_[t].resize(need);
+  // The output of items [begin, end) in bfloat16: sequences' rows lie in item order.
+  auto narrow = [&](int begin, int end) {
+    if (!out_bf16) return;
+    const size_t per_head = static_cast<size_t>(G) * D;
+    const size_t from = (static_cast<size_t>(begin / spans) * Hkv + (begin % spans) * span) * per_head;
+    const int last = end - 1;
+    const size_t to = (static_cast<size_t>(last / spans) * Hkv + std::min(Hkv, (last % spans) * span + span)) *
+                      per_head;
+    to_bf16(out + from, out_bf16 + from, to - from);
+  };
   if (T == 1) {
+    if (writes) write_items(0, items, span);
     items_(job, 0, items, scratch_[0].data());
+    narrow(0, items);
     return;
   }
   const int nchunks = std::min(items, T * 8);
@@ -603,12 +701,17 @@ void KVStore::run_attention(int H, float* out) {
   std::atomic<int> next{0};
   pool_->run([&](int tid) {
     if (tid >= T) return;
-    for (int c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1))
-      if (bounds[c] < bounds[c + 1]) items_(job, bounds[c], bounds[c + 1], scratch_[tid].data());
+    for (int c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1)) {
+      if (bounds[c] >= bounds[c + 1]) continue;
+      if (writes) write_items(bounds[c], bounds[c + 1], span);
+      items_(job, bounds[c], bounds[c + 1], scratch_[tid].data());
+      narrow(bounds[c], bounds[c + 1]);
+    }
   });
 }
 
-void KVStore::attend(int layer, const int64_t* ids, int B, int H, Input q, float scale, float* out) {
+void KVStore::attend(int layer, const int64_t* ids, int B, int H, Input q, float scale, float* out,
+                     uint16_t* out_bf16) {
   std::lock_guard<std::mutex> compute(compute_mu_);
   scale_q(q, static_cast<size_t>(B) * H * L_.head_dim, scale);
   {
@@ -617,11 +720,11 @@ void KVStore::attend(int layer, const int64_t* ids, int B, int H, Input q, float
     check_layer(layer);
     snapshot_locked(layer, lookup(ids, B));
   }
-  run_attention(H, out);
+  run_attention(H, out, false, out_bf16);
 }
 
 void KVStore::decode(int layer, const int64_t* ids, int B, int H, Input q, Input k, Input v, float scale,
-                     float* out) {
+                     float* out, uint16_t* out_bf16) {
   std::lock_guard<std::mutex> compute(compute_mu_);
   scale_q(q, static_cast<size_t>(B) * H * L_.head_dim, scale);
   const size_t count = static_cast<size_t>(B) * L_.num_kv_heads * L_.head_dim;
@@ -632,10 +735,15 @@ void KVStore::decode(int layer, const int64_t* ids, int B, int H, Input q, Input
     check_open();
     check_layer(layer);
     const std::vector<Seq*>& seqs = lookup(ids, B);
-    append_tokens_locked(layer, seqs, k, v);
+    plan_writes_locked(layer, seqs, k, v);
     snapshot_locked(layer, seqs);
+    deferring_frees_ = true;
   }
-  run_attention(H, out);
+  struct Release {
+    KVStore* store;
+    ~Release() { store->release_deferred_frees(); }
+  } release{this};
+  run_attention(H, out, true, out_bf16);
 }
 
 void KVStore::read(int64_t id, int layer, std::vector<float>* k, std::vector<float>* v) {

@@ -8,6 +8,7 @@
 // while freeing it gives that sequence garbage, never a crash).
 #pragma once
 
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -19,15 +20,27 @@
 
 namespace fd {
 
-enum class DType { f32, f16 };
+enum class DType { f32, f16, bf16 };
 
-// A borrowed input tensor: contiguous, `dtype` elements.
+inline float bf2f(uint16_t x) {
+  const uint32_t b = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+// A borrowed input tensor of `dtype` elements: rows (its first dimension: tokens or sequences) of
+// row_len contiguous elements each, `row` elements apart (row_len: contiguous; more: a view of a
+// wider buffer, such as q, k and v side by side in the output of one projection).
 struct Input {
   const void* data = nullptr;
   DType dtype = DType::f32;
-  float at(size_t i) const {
-    return dtype == DType::f32 ? static_cast<const float*>(data)[i] : h2f(static_cast<const uint16_t*>(data)[i]);
-  }
+  size_t row = 0, row_len = 0;
+  size_t offset(size_t r, size_t c) const { return r * row + c; }  // element c of row r
+  // n elements from offset `at` (within one row), as floats.
+  void floats(size_t at, float* y, size_t n) const;
+  // n elements from offset `at` (within one row), as fp16 bits; a pointer into the data when it is fp16.
+  const uint16_t* halves(size_t at, uint16_t* scratch, size_t n) const;
 };
 
 struct StoreStats {
@@ -63,8 +76,12 @@ class KVStore {
   int length(int64_t id, int layer);
   void append(int layer, const int64_t* ids, int B, Input k, Input v);
   void append_span(int layer, const int64_t* ids, int B, const int64_t* lens, Input k, Input v);
-  void attend(int layer, const int64_t* ids, int B, int H, Input q, float scale, float* out);
-  void decode(int layer, const int64_t* ids, int B, int H, Input q, Input k, Input v, float scale, float* out);
+  // out: [B, H, D] float32; or, with out_bf16, bfloat16 bits there instead (rounded to nearest even,
+  // as torch rounds), and out unused.
+  void attend(int layer, const int64_t* ids, int B, int H, Input q, float scale, float* out,
+              uint16_t* out_bf16 = nullptr);
+  void decode(int layer, const int64_t* ids, int B, int H, Input q, Input k, Input v, float scale, float* out,
+              uint16_t* out_bf16 = nullptr);
   // Dequantized (int4) or widened (fp16) cache of one sequence: k, v [len, Hkv, D] fp32.
   void read(int64_t id, int layer, std::vector<float>* k, std::vector<float>* v);
   StoreStats stats();
@@ -94,7 +111,23 @@ class KVStore {
   void check_kv_values(Input x, size_t count, const char* name) const;
   void scale_q(Input q, size_t count, float scale);  // checks q, scaled into qs_; under compute_mu_
   void prefetch_token(const Seq& s, int layer) const;
+  void prefetch_heads(int32_t block, int slot, int h0, int h1) const;
   void write_token(Seq& s, int layer, int slot_token, const Input& k, const Input& v, size_t src_token);
+  // Heads [h0, h1) of one token (its row src of k, v) into slot `slot` of `block`, and of its fp16 tail.
+  void write_heads(int32_t block, int slot, const Input& k, const Input& v, size_t src, int h0, int h1);
+  void write_tail_heads(int32_t tail, int slot, const Input& k, const Input& v, size_t src, int h0, int h1);
+  // decode's new tokens, one per sequence of the call: their places are taken under mu_ (the lengths
+  // already count them), and the attention threads write each just before they read its sequence,
+  // so that the new token's lines are in cache for the kernel instead of written in a pass of
+  // their own and read again from memory. Until they are written, free() holds back the blocks it
+  // returns (deferring_frees_), so that no other sequence can take a block a write is still due to.
+  struct TokenWrites {
+    std::vector<int32_t> block, tail, slot, tail_slot;  // per sequence of the call; tail -1: none
+    Input k, v;
+  };
+  void plan_writes_locked(int layer, const std::vector<Seq*>& seqs, Input k, Input v);  // into writes_
+  void write_items(int begin, int end, int span);  // the tokens of work items [begin, end)
+  void release_deferred_frees();
   struct Snapshot {  // what one attention call reads: block ids, lengths and fp16 tails, copied
     std::vector<int32_t> blocks, lens, tails;
     std::vector<const int32_t*> tables;
@@ -105,9 +138,9 @@ class KVStore {
   void begin_token(Seq& s, int layer, int pos);
   void write_at(Seq& s, int layer, int pos, const Input& k, const Input& v, size_t src);
   void append_locked(int layer, const std::vector<Seq*>& seqs, const int64_t* lens, Input k, Input v);
-  void append_tokens_locked(int layer, const std::vector<Seq*>& seqs, Input k, Input v);  // under compute_mu_ too
   void snapshot_locked(int layer, const std::vector<Seq*>& seqs);  // into snap_
-  void run_attention(int H, float* out);  // over snap_ with q from qs_
+  // over snap_ with q from qs_ (and writes_)
+  void run_attention(int H, float* out, bool writes = false, uint16_t* out_bf16 = nullptr);
 
   Layout L_;
   int num_layers_;
@@ -134,6 +167,10 @@ class KVStore {
   Snapshot snap_;             // under compute_mu_
   std::vector<float> qs_;     // under compute_mu_
   std::vector<int> bounds_;   // under compute_mu_
+  TokenWrites writes_;        // under compute_mu_
+  std::vector<float> of_;     // under compute_mu_: the float32 output, where the caller takes bfloat16
+  bool deferring_frees_ = false;                           // under mu_
+  std::vector<int32_t> deferred_blocks_, deferred_tails_;  // under mu_
   std::mutex compute_mu_;  // taken before mu_ when both are needed
   std::mutex mu_;
 };

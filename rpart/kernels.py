@@ -57,6 +57,7 @@ sum_t p_t v_t = sum_t (p_t s_t) u_t + sum_t p_t z_t.
 """
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -87,24 +88,46 @@ def cpu_supports(isa: str) -> bool:
     return isa == "auto" or _kernels.cpu_supports(isa)
 
 
+def _rows_contiguous(shape, strides, item: int) -> bool:
+    """Each row (index of the first dimension) C-contiguous, rows apart by at least their size."""
+    expect = item
+    for n, st in zip(reversed(shape[1:]), reversed(strides[1:])):
+        if n > 1 and st != expect:
+            return False
+        expect *= n
+    return len(shape) == 0 or shape[0] <= 1 or (strides[0] >= expect and strides[0] % item == 0)
+
+
 def _floats(x, name: str) -> np.ndarray:
-    """numpy view of a float32/float16 array or CPU torch tensor (bfloat16 is widened: a copy)."""
+    """numpy view of a float32/float16 array or CPU torch tensor; a torch bfloat16 tensor as its bits
+    (uint16, which the extension reads as bfloat16). Rows (the first dimension) may lie apart, as in
+    a view of a wider buffer; anything else is copied into a contiguous array."""
     if not isinstance(x, np.ndarray):
         if hasattr(x, "detach") and hasattr(x, "numpy"):  # torch.Tensor, without importing torch
             if x.device.type != "cpu":
                 raise ValueError(f"{name} must be a CPU tensor, got device {x.device}")
             x = x.detach()
+            if x.dim() == 0 or not _rows_contiguous(tuple(x.shape), tuple(x.stride()), 1):
+                x = x.contiguous()
             if str(x.dtype) == "torch.bfloat16":
-                x = x.float()
-            x = x.contiguous().numpy()
+                return x.view(sys.modules["torch"].uint16).numpy()   # torch is loaded: x is its tensor
+            x = x.numpy()
         else:
             x = np.asarray(x)
     if x.dtype not in (np.float32, np.float16):
         raise ValueError(f"{name} must be float32 or float16, got {x.dtype}")
+    if x.flags.c_contiguous or (x.ndim > 0 and _rows_contiguous(x.shape, x.strides, x.itemsize)):
+        return x
     return np.ascontiguousarray(x)
 
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _flag(x, name: str) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {x!r}")
+    return bool(x)
 
 
 def _int(x, name: str) -> int:
@@ -230,14 +253,18 @@ class KVStore:
         self._call(self._s.append_span, _int(layer, "layer"), _ints(seq_ids, "seq_ids"), _ints(lens, "lens"),
                    _floats(k, "k"), _floats(v, "v"))
 
-    def attend(self, layer: int, seq_ids: Sequence[int], q, scale: float | None = None) -> np.ndarray:
-        """q [B, H, D] -> o float32 [B, H, D] over each sequence's cache at `layer`."""
-        return self._call(self._s.attend, _int(layer, "layer"), _ints(seq_ids, "seq_ids"), _floats(q, "q"), scale)
+    def attend(self, layer: int, seq_ids: Sequence[int], q, scale: float | None = None,
+               bf16_out: bool = False) -> np.ndarray:
+        """q [B, H, D] -> o float32 [B, H, D] over each sequence's cache at `layer`; with bf16_out,
+        o in bfloat16 (its bits, uint16; rounded to nearest even, as torch rounds)."""
+        return self._call(self._s.attend, _int(layer, "layer"), _ints(seq_ids, "seq_ids"), _floats(q, "q"), scale,
+                          _flag(bf16_out, "bf16_out"))
 
-    def decode(self, layer: int, seq_ids: Sequence[int], q, k, v, scale: float | None = None) -> np.ndarray:
+    def decode(self, layer: int, seq_ids: Sequence[int], q, k, v, scale: float | None = None,
+               bf16_out: bool = False) -> np.ndarray:
         """append(k, v) then attend(q), in one call."""
         return self._call(self._s.decode, _int(layer, "layer"), _ints(seq_ids, "seq_ids"), _floats(q, "q"),
-                          _floats(k, "k"), _floats(v, "v"), scale)
+                          _floats(k, "k"), _floats(v, "v"), scale, _flag(bf16_out, "bf16_out"))
 
     def read(self, seq_id: int, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The cache as the kernel sees it (fp16 widened, int4 dequantized): k, v float32 [T, Hkv, D]."""

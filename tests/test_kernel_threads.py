@@ -209,3 +209,79 @@ def test_concurrent_calls_are_safe():
     t.join()
     assert not errors
     check_against_reference(store, [1], q, want, originals)
+
+
+def test_decode_writes_never_land_in_blocks_freed_meanwhile():
+    """decode takes each new token's place under the store's lock and its attention threads write
+    the token just before they read that sequence. A sequence freed by another thread in between
+    must not hand its blocks to a new sequence before those writes are done: the sequences freed
+    come last in the call (their writes come last), another thread frees them halfway through it
+    and fills new sequences at once (they take the freed blocks first); afterwards the new
+    sequences and the ones decoded hold exactly what was written to them, and every block comes
+    back."""
+    rng = np.random.default_rng(21)
+    hkv, d, h = 3, 64, 9
+    store = KVStore(1, hkv, d, 256 << 20, block_size=BS, kv_format="fp16", num_threads=2, populate=False)
+    kept = list(range(256))
+    shadow = {}
+
+    def rows(r, n):
+        return r.standard_normal((n, hkv, d)).astype(np.float16).astype(np.float32)
+
+    def put(ids, lens, r=rng):
+        store.create(ids)
+        k, v = rows(r, sum(lens)), rows(r, sum(lens))
+        store.append_span(0, ids, lens, k, v)
+        at = 0
+        for i, n in zip(ids, lens):
+            shadow[i] = [k[at:at + n], v[at:at + n]]
+            at += n
+
+    put(kept, [int(x) for x in rng.integers(200, 400, len(kept))])
+    q = rng.standard_normal((len(kept), h, d)).astype(np.float32)
+    t0 = time.perf_counter()
+    store.attend(0, kept, q)
+    call_s = time.perf_counter() - t0
+    errors, refilled, decoded = [], [], 0
+    for rnd in range(10):
+        victims = list(range(1000 + 100 * rnd, 1016 + 100 * rnd))
+        put(victims, [BS - 1] * len(victims))   # the token decoded ends a block: slot BS - 1
+        live = kept + victims
+        go = threading.Event()
+
+        def churn(victims=victims, rnd=rnd):
+            try:
+                go.wait(5)
+                time.sleep(call_s / 2)
+                r = np.random.default_rng(rnd)
+                for j, victim in enumerate(victims):
+                    store.free([victim])
+                    shadow.pop(victim)
+                    new = 50_000 + 100 * rnd + j
+                    put([new], [BS], r)          # the victim's block, every slot written
+                    refilled.append(new)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        t = threading.Thread(target=churn)
+        q = rng.standard_normal((len(live), h, d)).astype(np.float32)
+        k, v = rows(rng, len(live)), rows(rng, len(live))
+        t.start()
+        go.set()
+        try:
+            store.decode(0, live, q, k, v)
+            decoded += 1
+            for i, sid in enumerate(kept):
+                shadow[sid] = [np.concatenate([shadow[sid][0], k[i:i + 1]]),
+                               np.concatenate([shadow[sid][1], v[i:i + 1]])]
+        except KeyError:          # the victims went before the call: nothing was appended
+            pass
+        t.join()
+        assert not errors
+    assert refilled and decoded
+    for sid in kept + refilled:
+        got_k, got_v = store.read(sid, 0)
+        np.testing.assert_array_equal(got_k, shadow[sid][0].reshape(got_k.shape))
+        np.testing.assert_array_equal(got_v, shadow[sid][1].reshape(got_v.shape))
+    store.free(kept + refilled)
+    assert store.stats()["blocks_used"] == 0
