@@ -100,7 +100,8 @@ class AttentionBackend(ABC):
     def submit_decode(self, layer: int, seq_ids: Sequence[int], q: torch.Tensor,
                       k: torch.Tensor, v: torch.Tensor) -> "Future[torch.Tensor]":
         """Append one token (k, v) per sequence to `layer`, then return (as a future)
-        o = softmax(q K^T * scale) V over the whole cache including that token.
+        o = softmax(q K^T * scale) V over the whole cache including that token: float32, or
+        bfloat16 where q is (rounded from float32 as torch rounds; the local backend does).
         Must return quickly: the engine runs the S-Part of the other mini-batch
         while this runs."""
 
