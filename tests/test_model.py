@@ -33,6 +33,27 @@ def test_prompt_logits_match_transformers(tiny_model_dirs, name):
         assert ours.model.lm_head.weight is ours.model.embed_tokens.weight
 
 
+def test_prefill_attention_groups_lengths_wherever_they_are(tiny_model_dir):
+    """Prompts of one length that are not back to back go through one call; every prompt's output
+    equals its own causal attention alone."""
+    import torch.nn.functional as F
+
+    m = load_model(tiny_model_dir).model
+    lens = [3, 5, 3, 1, 5, 3, 2]
+    n, h, hkv, d = sum(lens), m.args.num_heads, m.args.num_kv_heads, m.args.head_dim
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, x, d, generator=g) for x in (h, hkv, hkv))
+    got = m.prefill_attention(q, k, v, lens)
+    start = 0
+    for length in lens:
+        s = slice(start, start + length)
+        want = F.scaled_dot_product_attention(q[s].transpose(0, 1)[None], k[s].transpose(0, 1)[None],
+                                              v[s].transpose(0, 1)[None], is_causal=True, scale=m.scale,
+                                              enable_gqa=True)[0].transpose(0, 1)
+        assert torch.allclose(got[s], want, atol=1e-6), length
+        start += length
+
+
 def test_fused_parameters_and_bias(tiny_model_dirs):
     qwen = load_model(tiny_model_dirs["qwen2_bias"]).model
     layer = qwen.layers[0]

@@ -151,17 +151,22 @@ class LlamaModel(nn.Module):
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
         """Causal attention of each prompt over itself (sequences back to back) -> o [N, H, D]."""
         out = torch.empty_like(q)
-        start = 0
-        for n, run in itertools.groupby(lens):      # a run of equal lengths is one batched call
-            g = len(list(run))
-            s = slice(start, start + g * n)
+        starts = list(itertools.accumulate(lens, initial=0))
+        by_len: dict[int, list[int]] = {}
+        for i, n in enumerate(lens):
+            by_len.setdefault(n, []).append(i)
+        for n, members in by_len.items():          # the prompts of one length, wherever they are: one call
+            g = len(members)
+            if members[-1] - members[0] == g - 1:  # back to back: a view
+                rows: slice | torch.Tensor = slice(starts[members[0]], starts[members[0]] + g * n)
+            else:
+                rows = (torch.tensor([starts[i] for i in members])[:, None] + torch.arange(n)).view(-1).to(q.device)
 
             def heads_first(x: torch.Tensor) -> torch.Tensor:   # [g*n, heads, D] -> [g, heads, n, D]
-                return x[s].view(g, n, x.shape[1], x.shape[2]).transpose(1, 2)
+                return x[rows].view(g, n, x.shape[1], x.shape[2]).transpose(1, 2)
             o = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v),
                                                is_causal=True, scale=self.scale, enable_gqa=True)
-            out[s] = o.transpose(1, 2).reshape(g * n, q.shape[1], q.shape[2])
-            start += g * n
+            out[rows] = o.transpose(1, 2).reshape(g * n, q.shape[1], q.shape[2])
         return out
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, lens: list[int]) -> torch.Tensor:
