@@ -14,8 +14,10 @@ Host options (not EngineConfig fields):
     send_threads           threads that send responses to Triton, several in flight (8; 1 = one
                            at a time; each request's responses stay in order on one of them)
     stream_interval        tokens a streamed response carries (auto: 1 while at most 16 requests are
-                           in flight, 2 beyond; N: N). The first token and the last output go out
-                           at once, and no token waits more than half a second
+                           in flight, 2 up to 64, 4 up to 256, 8 beyond; N: N). The first token and
+                           the last output go out at once
+    max_hold_ms            the longest a generated token waits for the next ones to share its
+                           response (1000)
     fault_step_error_file  TEST ONLY: while this file exists, engine.step raises (crash drill)
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ from fastdecode.config import REPO_ROOT, EngineConfig, config_from_settings, res
 from python_backend.host import MAX_STREAM_INTERVAL
 
 HOST_KEYS = ("plan", "cancel_poll_ms", "metrics_interval_ms", "send_threads", "stream_interval",
-             "fault_step_error_file")
+             "max_hold_ms", "fault_step_error_file")
 MAX_SEND_THREADS = 64
 
 
@@ -37,6 +39,7 @@ class HostOptions:
     metrics_interval_s: float = 1.0
     send_threads: int = 8
     stream_interval: int = 0                    # 0 = auto
+    max_hold_s: float = 1.0
     fault_step_error_file: str = ""
 
 
@@ -61,6 +64,7 @@ def build_configs(params: dict[str, str], root: Path = REPO_ROOT) -> tuple[Engin
     host = HostOptions(cancel_poll_s=_millis(params, "cancel_poll_ms", 100),
                        metrics_interval_s=_millis(params, "metrics_interval_ms", 1000),
                        send_threads=_send_threads(params), stream_interval=_stream_interval(params),
+                       max_hold_s=_millis(params, "max_hold_ms", 1000),
                        fault_step_error_file=resolve_path(fault, root) if fault else "")
     return engine, host
 

@@ -11,8 +11,9 @@ takes one from the engine. So the sender hands the outputs it drained to `send_t
 each request always to the same one (its responses stay in order), and waits for them before it
 drains again; the server then takes several responses per wake-up. Each send costs about the
 same whatever it carries, so under load a response carries `stream_interval` tokens (auto: one
-while at most AUTO_STREAMS requests are in flight, two beyond); a request's first token and its
-last output go out at once, and no token waits longer than `max_hold_s`. The sender thread polls each
+while at most AUTO_STREAMS requests are in flight, then twice as many for every four times as many
+requests: 2 up to 64, 4 up to 256, 8 beyond); a request's first token and its last output go out
+at once, and no token waits longer than `max_hold_s`. The sender thread polls each
 live request's `is_cancelled()` (the client cancelled its gRPC stream) and aborts it in the
 engine, which frees its KV at once; pushes metrics; and watches `engine.healthy`: once the
 engine loop has crashed, every live request ends with an error, new ones are refused, and the
@@ -63,7 +64,8 @@ class Live:
 
 
 _STOP = object()
-AUTO_STREAMS = 16          # stream_interval "auto": 1 token a response up to this many live requests, 2 beyond
+AUTO_STREAMS = 16          # stream_interval "auto": 1 token a response up to this many live requests
+AUTO_MAX_INTERVAL = 8      # ... then x2 per x4 requests, up to this
 MAX_STREAM_INTERVAL = 64
 
 
@@ -71,7 +73,7 @@ class EngineHost:
     def __init__(self, engine, transport: Transport, metrics: Metrics | None = None, *,
                  make_params: Callable[[dict], Any] | None = None, cancel_poll_s: float = 0.1,
                  metrics_interval_s: float = 1.0, crash_grace_s: float = 1.0, cancel_poll_batch: int = 32,
-                 send_threads: int = 8, stream_interval: int = 0, max_hold_s: float = 0.5):
+                 send_threads: int = 8, stream_interval: int = 0, max_hold_s: float = 1.0):
         self.engine = engine
         self.transport = transport
         self.metrics = metrics
@@ -215,7 +217,7 @@ class EngineHost:
     def _interval(self) -> int:
         if self.stream_interval:
             return self.stream_interval
-        return 1 if len(self._live) <= AUTO_STREAMS else 2
+        return auto_interval(len(self._live))
 
     def _pace(self, live: Live, out, interval: int, now: float):
         """`out` joined to what waits for this request: the output to send now, or None while it
@@ -378,6 +380,14 @@ class EngineHost:
         if self._lanes is not None:
             self._lanes.shutdown(wait=not self._thread.is_alive())
         self._fail_all(ErrorInfo("model is unloading", UNAVAILABLE))
+
+
+def auto_interval(live: int) -> int:
+    """Tokens a response carries under stream_interval "auto" with `live` requests in flight."""
+    interval, limit = 1, AUTO_STREAMS
+    while live > limit and interval < AUTO_MAX_INTERVAL:
+        interval, limit = interval * 2, limit * 4
+    return interval
 
 
 def engine_trace(engine) -> list[dict] | None:

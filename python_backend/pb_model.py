@@ -87,7 +87,7 @@ class FastDecodeModel:
         metrics = Metrics(self.metrics_sink, {"model": name, "version": args["model_version"]})
         self.host = EngineHost(self.engine, PbTransport(name), metrics, cancel_poll_s=options.cancel_poll_s,
                                metrics_interval_s=options.metrics_interval_s, send_threads=options.send_threads,
-                               stream_interval=options.stream_interval)
+                               stream_interval=options.stream_interval, max_hold_s=options.max_hold_s)
         self.engine.start()
 
     def execute(self, requests):

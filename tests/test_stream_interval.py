@@ -6,7 +6,7 @@ import time
 import pytest
 
 from python_backend.config import build_configs
-from python_backend.host import AUTO_STREAMS, MAX_STREAM_INTERVAL, EngineHost
+from python_backend.host import AUTO_STREAMS, MAX_STREAM_INTERVAL, EngineHost, auto_interval
 from test_response_coalescing import GatedTransport, ManualEngine, out, submit_streams
 
 
@@ -134,6 +134,19 @@ def test_choices_of_one_request_are_held_apart():
         assert not host._held
     finally:
         host.shutdown()
+
+
+def test_auto_interval_doubles_for_every_four_times_the_requests_up_to_eight():
+    assert [auto_interval(n) for n in (0, 1, 16, 17, 64, 65, 256, 257, 1024, 1025, 10**6)] == \
+        [1, 1, 1, 2, 2, 4, 4, 8, 8, 8, 8]
+
+
+def test_max_hold_parameter():
+    assert build_configs({})[1].max_hold_s == 1.0
+    assert build_configs({"max_hold_ms": "1500"})[1].max_hold_s == 1.5
+    for bad in ("0", "-5", "x", "1.5", ""):
+        with pytest.raises(ValueError, match="max_hold_ms"):
+            build_configs({"max_hold_ms": bad})
 
 
 def test_stream_interval_parameter():
