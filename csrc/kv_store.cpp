@@ -511,7 +511,6 @@ void KVStore::plan_writes_locked(int layer, const std::vector<Seq*>& seqs, Input
   w.block.resize(n);
   w.tail.resize(n);
   w.slot.resize(n);
-  w.tail_slot.resize(n);
   w.k = k;
   w.v = v;
   for (size_t i = 0; i < n; ++i) {
@@ -521,7 +520,6 @@ void KVStore::plan_writes_locked(int layer, const std::vector<Seq*>& seqs, Input
     w.block[i] = s.blocks[layer][pos / L_.block_size];
     w.slot[i] = pos % L_.block_size;
     w.tail[i] = s.tail[layer];
-    w.tail_slot[i] = pos % T_.block_size;
     s.len[layer] = pos + 1;
   }
 }
@@ -543,7 +541,7 @@ void KVStore::write_items(int begin, int end, int span) {
     }
     heads(i, b, h0, h1);
     write_heads(w.block[b], w.slot[b], w.k, w.v, b, h0, h1);
-    if (w.tail[b] >= 0) write_tail_heads(w.tail[b], w.tail_slot[b], w.k, w.v, b, h0, h1);
+    if (w.tail[b] >= 0) write_tail_heads(w.tail[b], w.slot[b], w.k, w.v, b, h0, h1);
   }
 }
 

@@ -122,7 +122,7 @@ class KVStore {
   // their own and read again from memory. Until they are written, free() holds back the blocks it
   // returns (deferring_frees_), so that no other sequence can take a block a write is still due to.
   struct TokenWrites {
-    std::vector<int32_t> block, tail, slot, tail_slot;  // per sequence of the call; tail -1: none
+    std::vector<int32_t> block, tail, slot;  // per sequence of the call; tail -1: none (same slot)
     Input k, v;
   };
   void plan_writes_locked(int layer, const std::vector<Seq*>& seqs, Input k, Input v);  // into writes_
