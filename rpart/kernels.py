@@ -189,9 +189,8 @@ class KVStore:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
         if isa not in ISAS:
             raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
-        for name, flag in (("fp16_tail", fp16_tail), ("populate", populate)):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        _flag(fp16_tail, "fp16_tail")
+        _flag(populate, "populate")
         for name, group in (("k_group", k_group), ("v_group", v_group)):
             if isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer)):
                 raise ValueError(f"{name} must be an int (16, 32, 64, 128 or 0 for the default), got {group!r}")
