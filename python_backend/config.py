@@ -14,10 +14,10 @@ Host options (not EngineConfig fields):
     send_threads           threads that send responses to Triton, several in flight (8; 1 = one
                            at a time; each request's responses stay in order on one of them)
     stream_interval        tokens a streamed response carries (auto: 1 while at most 16 requests are
-                           in flight, 2 up to 64, 4 up to 256, 8 beyond; N: N). The first token and
+                           in flight, 2 up to 32, 4 up to 64, 8 beyond; N: N). The first token and
                            the last output go out at once
     max_hold_ms            the longest a generated token waits for the next ones to share its
-                           response (1000)
+                           response (2000)
     fault_step_error_file  TEST ONLY: while this file exists, engine.step raises (crash drill)
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ class HostOptions:
     metrics_interval_s: float = 1.0
     send_threads: int = 8
     stream_interval: int = 0                    # 0 = auto
-    max_hold_s: float = 1.0
+    max_hold_s: float = 2.0
     fault_step_error_file: str = ""
 
 
@@ -64,7 +64,7 @@ def build_configs(params: dict[str, str], root: Path = REPO_ROOT) -> tuple[Engin
     host = HostOptions(cancel_poll_s=_millis(params, "cancel_poll_ms", 100),
                        metrics_interval_s=_millis(params, "metrics_interval_ms", 1000),
                        send_threads=_send_threads(params), stream_interval=_stream_interval(params),
-                       max_hold_s=_millis(params, "max_hold_ms", 1000),
+                       max_hold_s=_millis(params, "max_hold_ms", 2000),
                        fault_step_error_file=resolve_path(fault, root) if fault else "")
     return engine, host
 

@@ -11,9 +11,10 @@ takes one from the engine. So the sender hands the outputs it drained to `send_t
 each request always to the same one (its responses stay in order), and waits for them before it
 drains again; the server then takes several responses per wake-up. Each send costs about the
 same whatever it carries, so under load a response carries `stream_interval` tokens (auto: one
-while at most AUTO_STREAMS requests are in flight, then twice as many for every four times as many
-requests: 2 up to 64, 4 up to 256, 8 beyond); a request's first token and its last output go out
-at once, and no token waits longer than `max_hold_s`. The sender thread polls each
+while at most AUTO_STREAMS requests are in flight, then twice as many for every twice as many
+requests, so that a step sends about AUTO_STREAMS responses: 2 up to 32, 4 up to 64, 8 beyond); a
+request's first token and its last output go out at once, and no token waits longer than
+`max_hold_s`. The sender thread polls each
 live request's `is_cancelled()` (the client cancelled its gRPC stream) and aborts it in the
 engine, which frees its KV at once; pushes metrics; and watches `engine.healthy`: once the
 engine loop has crashed, every live request ends with an error, new ones are refused, and the
@@ -58,6 +59,7 @@ class Live:
     siblings: list["Live"] | None = None      # all n choices of the Triton request, when n > 1
     lane: int = 0             # the send thread of the Triton request (its choices share it)
     first_token: float | None = None
+    responded: bool = False   # a response with tokens went out (a first token of no text sends none)
     accepted: bool = False    # every choice is in the engine; until then submit() may still refuse it
     cancelled: bool = False
     done: bool = False
@@ -65,7 +67,7 @@ class Live:
 
 _STOP = object()
 AUTO_STREAMS = 16          # stream_interval "auto": 1 token a response up to this many live requests
-AUTO_MAX_INTERVAL = 8      # ... then x2 per x4 requests, up to this
+AUTO_MAX_INTERVAL = 8      # ... then x2 per x2 requests, up to this
 MAX_STREAM_INTERVAL = 64
 
 
@@ -73,7 +75,7 @@ class EngineHost:
     def __init__(self, engine, transport: Transport, metrics: Metrics | None = None, *,
                  make_params: Callable[[dict], Any] | None = None, cancel_poll_s: float = 0.1,
                  metrics_interval_s: float = 1.0, crash_grace_s: float = 1.0, cancel_poll_batch: int = 32,
-                 send_threads: int = 8, stream_interval: int = 0, max_hold_s: float = 1.0):
+                 send_threads: int = 8, stream_interval: int = 0, max_hold_s: float = 2.0):
         self.engine = engine
         self.transport = transport
         self.metrics = metrics
@@ -190,8 +192,7 @@ class EngineHost:
                 self._flush_metrics()
                 next_flush = now + self.metrics_interval_s
             if now >= next_release and self._held:
-                self._release_held(now)
-                next_release = now + self.max_hold_s / 2
+                next_release = self._release_held(now)
 
     def _handle_all(self, batch: list) -> None:
         lanes: dict[int, list] = {}
@@ -221,21 +222,24 @@ class EngineHost:
 
     def _pace(self, live: Live, out, interval: int, now: float):
         """`out` joined to what waits for this request: the output to send now, or None while it
-        waits for more tokens. The first token and the last output never wait."""
+        waits for more tokens. The last output and those up to the first response never wait."""
         held = self._held.pop(live.request_id, None)
         if held is not None:
             out = coalesce([held[0], out])[0]
-        if out.finished or live.first_token is None or len(out.token_ids) >= interval:
+        if out.finished or not live.responded or len(out.token_ids) >= interval:
             return out
         self._held[live.request_id] = (out, now if held is None else held[1])
         return None
 
-    def _release_held(self, now: float) -> None:
-        """Send what has waited `max_hold_s` (a request paused by preemption, or a slow step)."""
+    def _release_held(self, now: float) -> float:
+        """Send what has waited `max_hold_s` (a request paused by preemption, or a slow step);
+        returns when the next of those still held is due."""
         with self._lock:
             due = [rid for rid, (_, since) in self._held.items() if now - since >= self.max_hold_s]
             outs = [self._held.pop(rid)[0] for rid in due]
+            oldest = min((since for _, since in self._held.values()), default=now)
         self._handle_lane(outs)
+        return oldest + self.max_hold_s
 
     def _handle_lane(self, outs: list) -> None:
         for out in outs:
@@ -273,6 +277,7 @@ class EngineHost:
             return
         try:
             self.transport.send(live.sender, outputs, error, final=final)
+            live.responded = True
         except Exception as e:                        # the client is gone: stop generating for it
             self.transport.log("warn", f"fastdecode: send failed for {live.request_id} ({e}); aborting it")
             for other in live.siblings or [live]:
@@ -386,7 +391,7 @@ def auto_interval(live: int) -> int:
     """Tokens a response carries under stream_interval "auto" with `live` requests in flight."""
     interval, limit = 1, AUTO_STREAMS
     while live > limit and interval < AUTO_MAX_INTERVAL:
-        interval, limit = interval * 2, limit * 4
+        interval, limit = interval * 2, limit * 2
     return interval
 
 

@@ -61,6 +61,29 @@ def test_a_fixed_interval_sends_the_first_token_alone_then_groups_and_the_rest_a
         host.shutdown()
 
 
+def test_when_the_first_token_has_no_text_the_first_that_has_goes_out_at_once():
+    """A first token of no text (a special token, half a character) sends no response; the next
+    output must not then wait for a full interval: the client has seen nothing yet."""
+    host, engine, transport = make_host(stream_interval=8)
+    try:
+        (rid,), = submit_streams(host, engine, ["s"])
+        engine.callbacks[rid](out(rid, [1], "", n=1))
+        settle(host)
+        assert sent_by(transport, "s") == []
+        engine.callbacks[rid](out(rid, [2], "a", n=2))
+        settle(host)
+        assert sent_by(transport, "s") == [("a", False)]
+        for i in range(3, 6):
+            engine.callbacks[rid](out(rid, [i], "b", n=i))
+        settle(host)
+        assert sent_by(transport, "s") == [("a", False)]          # then responses carry 8 tokens again
+        engine.callbacks[rid](out(rid, [6], "c", True, "length", n=6))
+        wait_finals(transport, 1)
+        assert sent_by(transport, "s") == [("a", False), ("bbbc", True)]
+    finally:
+        host.shutdown()
+
+
 def test_auto_streams_every_token_up_to_its_threshold_and_pairs_beyond():
     for streams, expected in ((AUTO_STREAMS, ["1", "2", "3", "4", "5"]), (AUTO_STREAMS + 1, ["1", "23", "45"])):
         host, engine, transport = make_host()
@@ -136,13 +159,13 @@ def test_choices_of_one_request_are_held_apart():
         host.shutdown()
 
 
-def test_auto_interval_doubles_for_every_four_times_the_requests_up_to_eight():
-    assert [auto_interval(n) for n in (0, 1, 16, 17, 64, 65, 256, 257, 1024, 1025, 10**6)] == \
-        [1, 1, 1, 2, 2, 4, 4, 8, 8, 8, 8]
+def test_auto_interval_doubles_for_every_twice_the_requests_up_to_eight():
+    assert [auto_interval(n) for n in (0, 1, 16, 17, 32, 33, 64, 65, 128, 129, 1024, 10**6)] == \
+        [1, 1, 1, 2, 2, 4, 4, 8, 8, 8, 8, 8]
 
 
 def test_max_hold_parameter():
-    assert build_configs({})[1].max_hold_s == 1.0
+    assert build_configs({})[1].max_hold_s == 2.0
     assert build_configs({"max_hold_ms": "1500"})[1].max_hold_s == 1.5
     for bad in ("0", "-5", "x", "1.5", ""):
         with pytest.raises(ValueError, match="max_hold_ms"):
