@@ -428,3 +428,28 @@ def test_detokenizer_fast_path_decodes_as_the_tokenizer_does(engine):
     samples += [tok(" héllo wörld, 日本語 🙂 . , !")["input_ids"], [tok.eos_token_id, 42, tok.eos_token_id], []]
     for ids in samples:
         assert fast(ids) == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_decode_logits_reuse_one_buffer_and_equal_a_fresh_lm_head(engine):
+    """The decode's logits go into memory kept from step to step (a fresh 50 MB tensor a step was
+    page-faulted in anew); every step's values are those of the plain LM head."""
+    runner, model = engine.runner, engine.model
+    seen = []
+    real = model.logits
+
+    def spy(h, out=None):
+        got = real(h, out=out)
+        seen.append((got.data_ptr(), torch.equal(got, real(h)), out is not None))
+        return got
+    model.logits = spy
+    try:
+        for i in range(3):
+            engine.add_request(f"prompt {i} " * (i + 1), GREEDY, request_id=f"r{i}")
+        drain(engine)
+    finally:
+        model.logits = real
+    decodes = [s for s in seen if s[2]]
+    assert len(decodes) >= GREEDY.max_tokens - 1
+    assert all(same for _, same, _ in seen)
+    assert len({ptr for ptr, _, _ in decodes}) == 1
+    assert runner._logits is not None and runner._logits.shape[0] % 64 == 0

@@ -142,11 +142,14 @@ class LlamaModel(nn.Module):
     def post_attention(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         return self.layers[layer].post_attention(h, o)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm + LM head: logits [N, vocab] in the model's dtype (the sampler upcasts
-        only the rows it samples from; a greedy argmax needs no float32 copy)."""
+        only the rows it samples from; a greedy argmax needs no float32 copy), into `out` when
+        given (the same bits as without)."""
         x = self.norm(h) if self.ops is None else self.ops.rms_norm(h, self.norm.weight, self.norm.eps)
-        return self.lm_head(x)
+        if out is None:
+            return self.lm_head(x)
+        return torch.matmul(x, self.lm_head.weight.t(), out=out)
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
         """Causal attention of each prompt over itself (sequences back to back) -> o [N, H, D]."""
