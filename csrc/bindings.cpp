@@ -148,6 +148,11 @@ class PyKVStore {
     return store_->length(id, layer);
   }
 
+  std::vector<int32_t> block_ids(int64_t id, int layer) {
+    py::gil_scoped_release nogil;
+    return store_->block_ids(id, layer);
+  }
+
   void append(int layer, const py::array& ids, const py::array& k, const py::array& v) {
     const int64_t* p = int_input(ids, "seq_ids");
     const int B = static_cast<int>(ids.shape(0));
@@ -376,6 +381,7 @@ PYBIND11_MODULE(_kernels, m) {
       .def("free", &PyKVStore::free)
       .def("has", &PyKVStore::has)
       .def("length", &PyKVStore::length, py::arg("seq_id"), py::arg("layer") = 0)
+      .def("block_ids", &PyKVStore::block_ids, py::arg("seq_id"), py::arg("layer") = 0)
       .def("append", &PyKVStore::append)
       .def("append_span", &PyKVStore::append_span)
       .def("attend", &PyKVStore::attend, py::arg("layer"), py::arg("seq_ids"), py::arg("q"),

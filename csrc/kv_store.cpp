@@ -220,11 +220,9 @@ KVStore::KVStore(int num_layers, int num_kv_heads, int head_dim, size_t capacity
   madvise(pool_base_, (used + kHugePage - 1) / kHugePage * kHugePage, MADV_HUGEPAGE);  // best effort
 #endif
   if (populate) populator_ = std::make_unique<PagePopulator>(pool_base_, pool_bytes);
-  free_list_.resize(nblocks_);
-  for (int32_t i = 0; i < nblocks_; ++i) free_list_[i] = nblocks_ - 1 - i;  // pop_back hands out 0, 1, 2, ...
+  free_list_.fill(nblocks_);
   tail_base_ = pool_base_ + pool_bytes;
-  tail_free_.resize(ntails_);
-  for (int32_t i = 0; i < ntails_; ++i) tail_free_[i] = ntails_ - 1 - i;
+  tail_free_.fill(ntails_);
   set_threads(num_threads);
 }
 
@@ -351,12 +349,10 @@ void KVStore::free(const int64_t* ids, int n) {
   for (int i = 0; i < n; ++i) {
     auto it = seqs_.find(ids[i]);
     if (it == seqs_.end()) continue;
-    std::vector<int32_t>& blocks = deferring_frees_ ? deferred_blocks_ : free_list_;
-    std::vector<int32_t>& tails = deferring_frees_ ? deferred_tails_ : tail_free_;
     for (auto& layer_blocks : it->second.blocks)
-      for (int32_t b : layer_blocks) blocks.push_back(b);
+      for (int32_t b : layer_blocks) deferring_frees_ ? deferred_blocks_.push_back(b) : free_list_.push(b);
     for (int32_t t : it->second.tail)
-      if (t >= 0) tails.push_back(t);
+      if (t >= 0) deferring_frees_ ? deferred_tails_.push_back(t) : tail_free_.push(t);
     seqs_.erase(it);
   }
 }
@@ -372,6 +368,14 @@ int KVStore::length(int64_t id, int layer) {
   auto it = seqs_.find(id);
   if (it == seqs_.end()) throw KeyErr("unknown sequence id " + id_str(id));
   return it->second.len[layer];
+}
+
+std::vector<int32_t> KVStore::block_ids(int64_t id, int layer) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_layer(layer);
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) throw KeyErr("unknown sequence id " + id_str(id));
+  return it->second.blocks[layer];
 }
 
 void KVStore::write_token(Seq& s, int layer, int pos, const Input& k, const Input& v, size_t src) {
@@ -469,15 +473,11 @@ void KVStore::begin_token(Seq& s, int layer, int pos) {
   const int bs = L_.block_size;
   int32_t& tail = s.tail[layer];
   if (pos % bs == 0) {
-    s.blocks[layer].push_back(free_list_.back());
-    free_list_.pop_back();
-    if (bs > 1 && !tail_free_.empty()) {
-      tail = tail_free_.back();
-      tail_free_.pop_back();
-    }
+    s.blocks[layer].push_back(free_list_.pop());
+    if (bs > 1 && !tail_free_.empty()) tail = tail_free_.pop();
   }
   if (tail >= 0 && (pos + 1) % bs == 0) {
-    tail_free_.push_back(tail);
+    tail_free_.push(tail);
     tail = -1;
   }
 }
@@ -548,8 +548,8 @@ void KVStore::write_items(int begin, int end, int span) {
 void KVStore::release_deferred_frees() {
   std::lock_guard<std::mutex> lk(mu_);
   deferring_frees_ = false;
-  free_list_.insert(free_list_.end(), deferred_blocks_.begin(), deferred_blocks_.end());
-  tail_free_.insert(tail_free_.end(), deferred_tails_.begin(), deferred_tails_.end());
+  for (int32_t b : deferred_blocks_) free_list_.push(b);
+  for (int32_t t : deferred_tails_) tail_free_.push(t);
   deferred_blocks_.clear();
   deferred_tails_.clear();
 }

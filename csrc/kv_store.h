@@ -8,7 +8,9 @@
 // while freeing it gives that sequence garbage, never a crash).
 #pragma once
 
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -54,6 +56,36 @@ bool isa_supported(Isa isa, const Layout& L, std::string* why);
 
 constexpr int64_t kMaxSpanTokens = (int64_t{1} << 31) - 1;  // tokens of one sequence in one append_span
 
+// Free block ids, the lowest handed out first (a min-heap). Blocks come back in whatever order
+// sequences finish, and the next sequences then still get them from the start of the pool in the
+// order they ask: the blocks a decode step starts (one per sequence, in call order) lie side by
+// side as in a fresh store, and the kernel reads neighbouring items from neighbouring memory. A
+// stack handed a finished batch's blocks back in the reverse order of their frees, each sequence's
+// far from the next's: the next batch's attention took 1.17x the time.
+class FreeBlocks {
+ public:
+  void fill(int32_t n) {  // 0 .. n-1: sorted, so already a heap
+    ids_.resize(n);
+    for (int32_t i = 0; i < n; ++i) ids_[i] = i;
+  }
+  void push(int32_t id) {
+    ids_.push_back(id);
+    std::push_heap(ids_.begin(), ids_.end(), std::greater<int32_t>());
+  }
+  int32_t pop() {  // the caller checked !empty()
+    std::pop_heap(ids_.begin(), ids_.end(), std::greater<int32_t>());
+    const int32_t id = ids_.back();
+    ids_.pop_back();
+    return id;
+  }
+  size_t size() const { return ids_.size(); }
+  bool empty() const { return ids_.empty(); }
+  void clear() { ids_.clear(); }
+
+ private:
+  std::vector<int32_t> ids_;
+};
+
 class KVStore {
  public:
   // int4 && fp16_tail: the newest, unfinished block of every (sequence, layer) is also kept in
@@ -74,6 +106,7 @@ class KVStore {
   void free(const int64_t* ids, int n);
   bool has(int64_t id);
   int length(int64_t id, int layer);
+  std::vector<int32_t> block_ids(int64_t id, int layer);  // where the sequence's blocks are in the pool
   void append(int layer, const int64_t* ids, int B, Input k, Input v);
   void append_span(int layer, const int64_t* ids, int B, const int64_t* lens, Input k, Input v);
   // out: [B, H, D] float32; or, with out_bf16, bfloat16 bits there instead (rounded to nearest even,
@@ -151,12 +184,12 @@ class KVStore {
   uint8_t* pool_base_ = nullptr;
   size_t capacity_bytes_;
   int32_t nblocks_;
-  std::vector<int32_t> free_list_;
+  FreeBlocks free_list_;
   std::unique_ptr<PagePopulator> populator_;
   Layout T_;                          // fp16 tails: same shape as L_, fp16 format
   uint8_t* tail_base_ = nullptr;      // inside the same mapping, after the block pool
   int32_t ntails_ = 0;
-  std::vector<int32_t> tail_free_;
+  FreeBlocks tail_free_;
   std::unordered_map<int64_t, Seq> seqs_;
   std::unique_ptr<ThreadPool> pool_;
   bool openmp_ = false;

@@ -242,6 +242,11 @@ class KVStore:
     def length(self, seq_id: int, layer: int = 0) -> int:
         return self._s.length(_int(seq_id, "seq_id"), _int(layer, "layer"))
 
+    def block_ids(self, seq_id: int, layer: int = 0) -> list[int]:
+        """Where the sequence's blocks of `layer` are in the pool, in token order. Free blocks are
+        handed out lowest first."""
+        return self._s.block_ids(_int(seq_id, "seq_id"), _int(layer, "layer"))
+
     def append(self, layer: int, seq_ids: Sequence[int], k, v) -> None:
         """One new token per sequence: k, v [B, Hkv, D]."""
         self._call(self._s.append, _int(layer, "layer"), _ints(seq_ids, "seq_ids"), _floats(k, "k"),
