@@ -9,7 +9,8 @@ Host options (not EngineConfig fields):
     plan                   JSON file from `python -m fastdecode plan` (`make plan` writes
                            bench/results/plan.json): its "settings" (EngineConfig fields) are
                            defaults under config.pbtxt's values, above FASTDECODE_* variables
-    cancel_poll_ms         how often the host asks Triton whether a request was cancelled (100)
+    cancel_poll_ms         how often the host asks Triton whether a request was cancelled, 32
+                           requests at a time (250)
     metrics_interval_ms    how often metrics are pushed to Triton (1000)
     send_threads           threads that send responses to Triton, several in flight (8; 1 = one
                            at a time; each request's responses stay in order on one of them)
@@ -35,7 +36,7 @@ MAX_SEND_THREADS = 64
 
 @dataclass(frozen=True)
 class HostOptions:
-    cancel_poll_s: float = 0.1
+    cancel_poll_s: float = 0.25
     metrics_interval_s: float = 1.0
     send_threads: int = 8
     stream_interval: int = 0                    # 0 = auto
@@ -61,7 +62,7 @@ def build_configs(params: dict[str, str], root: Path = REPO_ROOT) -> tuple[Engin
     plan = resolve_path(params["plan"], root) if "plan" in params else ""
     engine = config_from_settings({k: v for k, v in params.items() if k in known}, plan=plan, root=root)
     fault = params.get("fault_step_error_file", "")
-    host = HostOptions(cancel_poll_s=_millis(params, "cancel_poll_ms", 100),
+    host = HostOptions(cancel_poll_s=_millis(params, "cancel_poll_ms", 250),
                        metrics_interval_s=_millis(params, "metrics_interval_ms", 1000),
                        send_threads=_send_threads(params), stream_interval=_stream_interval(params),
                        max_hold_s=_millis(params, "max_hold_ms", 2000),

@@ -73,7 +73,7 @@ MAX_STREAM_INTERVAL = 64
 
 class EngineHost:
     def __init__(self, engine, transport: Transport, metrics: Metrics | None = None, *,
-                 make_params: Callable[[dict], Any] | None = None, cancel_poll_s: float = 0.1,
+                 make_params: Callable[[dict], Any] | None = None, cancel_poll_s: float = 0.25,
                  metrics_interval_s: float = 1.0, crash_grace_s: float = 1.0, cancel_poll_batch: int = 32,
                  send_threads: int = 8, stream_interval: int = 0, max_hold_s: float = 2.0):
         self.engine = engine
@@ -302,8 +302,9 @@ class EngineHost:
 
     def _poll_cancelled(self) -> None:
         """Ask Triton about at most `cancel_poll_batch` live requests per tick, round robin: each
-        question is an IPC round trip, and 128 streams polled every 100 ms would cost more CPU
-        than the answers are worth (a cancelled request is then seen within N/batch ticks).
+        question is an IPC round trip that wakes a thread of the stub and of the server, taken from
+        the cores that generate (32 every 100 ms cost 4% of the throughput at 128 streams against
+        32 every second); a cancelled request is seen within N/batch ticks.
         Only accepted requests: submit() may still refuse one on its own thread, and Triton frees
         a request's response factory with its final response, so asking about it then would
         read freed memory (tritonserver segfaults in TRITONBACKEND_ResponseFactoryIsCancelled)."""
