@@ -36,9 +36,9 @@ kernels = Pybind11Extension(
 
 
 def spart_ops():
-    """The S-Part's fused bf16 ops, built against the torch in this environment. None where torch
+    """The S-Part's fused CPU ops, built against the torch in this environment. None where torch
     is absent (an R-worker host needs only the kernel) or FASTDECODE_NO_SPART_OPS=1 (an S-Part on
-    a GPU never calls them); the model refuses to run bf16 on the CPU without them
+    a GPU never calls them); the model refuses to run on the CPU without them
     (fastdecode/model/fused.py)."""
     if os.environ.get("FASTDECODE_NO_SPART_OPS") == "1":
         return None

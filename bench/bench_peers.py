@@ -277,13 +277,20 @@ class TritonPeer:
 
         repo = write_model_repository(tmp / "model_repository", params)
         self.server = TritonServer(repo, tmp / "triton", exit_timeout_s=10).__enter__()
-        self.info = {"config": "make serve's defaults"}
+        self.info = {"config": "make serve's defaults", "engine_log": engine_log_line(self.server.log_path)}
 
     def run(self, work, seq_len):
         return run_triton(self.server, work, seq_len)
 
     def close(self):
         self.server.__exit__(None, None, None)
+
+
+def engine_log_line(log_path: Path) -> str:
+    """The model's own line on what it runs (device, threads, dtype and why)."""
+    from fastdecode.ops.procs import log_lines
+
+    return next((line.split("] ", 1)[-1] for line in log_lines(log_path) or [] if "fastdecode: engine on" in line), "")
 
 
 class OpenAIPeer:
@@ -320,16 +327,16 @@ class EnginePeer:
 
     def __init__(self, config) -> None:
         self.config = config
-        self.info = {"config": "the same EngineConfig in-process, a fresh Engine per run",
-                     "dtype": config.model_dtype}
+        self.info = {"config": "the same EngineConfig in-process, a fresh Engine per run"}
 
     def run(self, work, seq_len):
         from fastdecode.engine import Engine
 
         engine = Engine(self.config)
+        self.info["dtype"] = engine.dtype_choice
         engine.start()
         try:
-            return run_engine(engine, work, seq_len)
+            return {**run_engine(engine, work, seq_len), "dtype": engine.dtype}
         finally:
             engine.stop()
 

@@ -28,7 +28,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 class EngineConfig:
     # model
     model: str = str(DEFAULT_MODEL_DIR)
-    dtype: str = "auto"                   # "auto" = bfloat16 where the device computes it natively, else float32
+    dtype: str = "auto"                   # "auto": GPU bf16/fp16; CPU the faster of bf16 and fp32 (model/dtype_choice.py)
     device: str = "auto"                  # "auto" = cuda when present, else cpu
     max_model_len: int = 0                # 0 = the checkpoint's max_position_embeddings
 
@@ -99,18 +99,6 @@ class EngineConfig:
         import torch  # imported lazily: the config is torch-free for the scheduler
 
         return "cuda" if torch.cuda.is_available() else "cpu"
-
-    @property
-    def model_dtype(self) -> str:
-        """The S-Part's dtype: `dtype`, with "auto" resolved for `torch_device` (as vLLM's
-        dtype=auto: bf16 on a CPU with AVX512-BF16 or AMX, or a GPU that has it)."""
-        if self.dtype != "auto":
-            return self.dtype
-        if self.torch_device == "cpu":
-            return "bfloat16" if cpu_has_native_bf16() else "float32"
-        import torch
-
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
 
     def replace(self, **changes) -> "EngineConfig":
         return replace(self, **changes)
@@ -243,13 +231,3 @@ def _coerce(type_name: str, raw, key: str):
     except ValueError:
         raise ValueError(f"EngineConfig: {key}={raw!r} is not a valid {type_name}") from None
     return raw
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 (Zen 4, Cooper Lake and later) or AMX-BF16 (Sapphire Rapids and later)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags

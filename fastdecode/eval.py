@@ -55,7 +55,8 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def _perplexity(config: EngineConfig, text: str, prefix: int, chunks: int, loaded, context: int,
                 make_backend) -> dict:
-    loaded = loaded or load_model(config.model, config.model_dtype, config.torch_device, config.max_model_len)
+    loaded = loaded or load_model(config.model, config.dtype, config.torch_device, config.max_model_len,
+                                  chunks)
     a = loaded.args
     ids = loaded.tokenizer(text)["input_ids"]
     length = min(context, len(ids) // chunks, loaded.max_model_len)
@@ -88,7 +89,7 @@ def _perplexity(config: EngineConfig, text: str, prefix: int, chunks: int, loade
         backend.shutdown()
     return {"perplexity": math.exp(float(nll) / count), "tokens_scored": count, "text_tokens": len(ids),
             "context": length, "chunks": chunks, "prefix": prefix,
-            "attention": config.attention, "dtype": config.model_dtype,
+            "attention": config.attention, "dtype": loaded.dtype.dtype,
             "kv_format": "fp32" if config.attention == "torch" else config.kv_format,   # torch keeps KV as computed
             "int4_fp16_tail": config.kv_format == "int4" and config.kv_int4_fp16_tail,
             "int4_groups": groups}                          # [key, value] channels per scale and zero

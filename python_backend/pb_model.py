@@ -80,7 +80,8 @@ class FastDecodeModel:
         shown = engine_config.replace(rworker_token="***") if engine_config.rworker_token else engine_config
         pb_utils.Logger.log_info(f"fastdecode: starting engine: {shown}")
         self.engine = Engine(engine_config)
-        pb_utils.Logger.log_info(f"fastdecode: engine on {self.engine.device}, torch threads {torch.get_num_threads()}")
+        pb_utils.Logger.log_info(f"fastdecode: engine on {self.engine.device}, torch threads {torch.get_num_threads()}, "
+                                  f"dtype {self.engine.dtype} ({self.engine.dtype_choice['reason']})")
         if options.fault_step_error_file:
             install_step_fault(self.engine, options.fault_step_error_file)
         self.metrics_sink = PbMetricsSink()

@@ -430,18 +430,27 @@ def test_detokenizer_fast_path_decodes_as_the_tokenizer_does(engine):
         assert fast(ids) == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def test_decode_logits_reuse_one_buffer_and_equal_a_fresh_lm_head(engine):
-    """The decode's logits go into memory kept from step to step (a fresh 50 MB tensor a step was
-    page-faulted in anew); every step's values are those of the plain LM head."""
-    runner, model = engine.runner, engine.model
-    seen = []
+def spy_logits(engine):
+    """Every LM-head call of the engine as (data_ptr, close to a fresh plain call, out given)."""
+    model, seen = engine.model, []
     real = model.logits
 
     def spy(h, out=None):
         got = real(h, out=out)
-        seen.append((got.data_ptr(), torch.equal(got, real(h)), out is not None))
+        seen.append((got.data_ptr(), torch.allclose(got, real(h), rtol=1e-5, atol=1e-5), out is not None))
         return got
     model.logits = spy
+    return seen, real
+
+
+def test_decode_logits_reuse_one_buffer_and_equal_a_fresh_lm_head(engine, monkeypatch):
+    """Logits bigger than malloc maps afresh go into memory kept from step to step (a fresh 50 MB
+    tensor a step was page-faulted in anew); every step's values are those of the plain LM head."""
+    from fastdecode.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "FRESH_MAP_BYTES", 0)      # the tiny model's logits count as big
+    runner, model = engine.runner, engine.model
+    seen, real = spy_logits(engine)
     try:
         for i in range(3):
             engine.add_request(f"prompt {i} " * (i + 1), GREEDY, request_id=f"r{i}")
@@ -453,3 +462,15 @@ def test_decode_logits_reuse_one_buffer_and_equal_a_fresh_lm_head(engine):
     assert all(same for _, same, _ in seen)
     assert len({ptr for ptr, _, _ in decodes}) == 1
     assert runner._logits is not None and runner._logits.shape[0] % 64 == 0
+
+
+def test_small_decode_logits_come_from_the_model_lm_head(engine):
+    """Below malloc's mmap threshold no buffer is kept: the model's (packed) LM head is faster."""
+    seen, real = spy_logits(engine)
+    try:
+        engine.add_request("a small batch", GREEDY, request_id="small")
+        drain(engine)
+    finally:
+        engine.model.logits = real
+    assert seen and not any(out for _, _, out in seen) and all(same for _, same, _ in seen)
+    assert engine.runner._logits is None

@@ -12,7 +12,7 @@ from fastdecode.model.loader import load_model, map_name
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-LOGIT_TOL = 1e-6    # vs transformers in fp32: measured 0 (bit-identical); 1e-6 is ~4 fp32 ulps at |logit| < 4
+LOGIT_TOL = 1e-5    # vs transformers in fp32 (the fused ops sum the norms in another order): measured 1.9e-6 to 2.4e-6 at |logit| < 4
 
 
 @pytest.mark.parametrize("name", ["gqa", "mha_tied", "llama3_rope", "qwen2_bias"])

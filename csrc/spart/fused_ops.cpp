@@ -1,7 +1,8 @@
-// Fused bf16 ops of the S-Part on the CPU (fastdecode._spart_ops), one pass over memory
-// each where torch runs 3-8 ops. Each computes what the torch code in
-// fastdecode/model/layers.py computes, rounding to bf16 where torch does, so results
-// match it but for float32 summation order and exp's last bits.
+// Fused ops of the S-Part on the CPU (fastdecode._spart_ops), bf16 or fp32, one pass over
+// memory each where torch runs 3-8 ops. Each computes what the torch code in
+// fastdecode/model/layers.py computes, rounding to bf16 where torch does in bf16, so results
+// match it but for float32 summation order and exp's last bits. One template body per op,
+// instantiated for both element types (Bf16 and F32 below) inside target_clones wrappers.
 // Threads: torch's own OpenMP team (at::parallel_for); vector code per ISA by target_clones.
 #include <torch/extension.h>
 
@@ -52,61 +53,101 @@ inline float fast_exp(float x) {
   return p * __builtin_bit_cast(float, (e + 127) << 23);
 }
 
-const uint16_t* bf(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
-uint16_t* bf_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+// Element types: E::ld to float, E::st from float (rounded), E::rnd = the rounding torch applies
+// to an intermediate result of this dtype.
+struct Bf16 {
+  using T = uint16_t;
+  static float ld(T b) { return bf2f(b); }
+  static T st(float f) { return f2bf(f); }
+  static float rnd(float f) { return round_bf(f); }
+  static const T* ptr(const at::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr<at::BFloat16>()); }
+  static T* mut(at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr<at::BFloat16>()); }
+};
+struct F32 {
+  using T = float;
+  static float ld(T f) { return f; }
+  static T st(float f) { return f; }
+  static float rnd(float f) { return f; }
+  static const T* ptr(const at::Tensor& t) { return t.data_ptr<float>(); }
+  static T* mut(at::Tensor& t) { return t.data_ptr<float>(); }
+};
+#define FD_INLINE __attribute__((always_inline)) inline
+
+const uint16_t* bf(const at::Tensor& t) { return Bf16::ptr(t); }
+uint16_t* bf_mut(at::Tensor& t) { return Bf16::mut(t); }
+
+bool is_fused_dtype(at::ScalarType t) { return t == at::kBFloat16 || t == at::kFloat; }
 
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(is_fused_dtype(x.scalar_type()), name, " must be bfloat16 or float32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2, name, " must be [rows, hidden], got ", x.sizes());
   TORCH_CHECK(x.stride(1) == 1, name, " must have contiguous rows");
 }
 
 int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(row_elems, 1)); }
 
-// y = w * bf16(x * rsqrt(mean(x^2) + eps)), x first replaced by bf16(x + d) when d is given.
-FD_CLONES void norm_row(uint16_t* x, const uint16_t* d, const uint16_t* w, uint16_t* y, int64_t n, float eps) {
+// y = w * rnd(x * rsqrt(mean(x^2) + eps)), x first replaced by rnd(x + d) when d is given.
+template <class E>
+FD_INLINE void norm_row_t(typename E::T* x, const typename E::T* d, const typename E::T* w, typename E::T* y,
+                          int64_t n, float eps) {
   float ss = 0.f;
   if (d != nullptr) {
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < n; ++i) {
-      const uint16_t s = f2bf(bf2f(x[i]) + bf2f(d[i]));
+      const typename E::T s = E::st(E::ld(x[i]) + E::ld(d[i]));
       x[i] = s;
-      const float f = bf2f(s);
+      const float f = E::ld(s);
       ss += f * f;
     }
   } else {
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < n; ++i) {
-      const float f = bf2f(x[i]);
+      const float f = E::ld(x[i]);
       ss += f * f;
     }
   }
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] = f2bf(bf2f(w[i]) * round_bf(bf2f(x[i]) * inv));
+  for (int64_t i = 0; i < n; ++i) y[i] = E::st(E::ld(w[i]) * E::rnd(E::ld(x[i]) * inv));
+}
+FD_CLONES void norm_row(uint16_t* x, const uint16_t* d, const uint16_t* w, uint16_t* y, int64_t n, float eps) {
+  norm_row_t<Bf16>(x, d, w, y, n, eps);
+}
+FD_CLONES void norm_row(float* x, const float* d, const float* w, float* y, int64_t n, float eps) {
+  norm_row_t<F32>(x, d, w, y, n, eps);
 }
 
-at::Tensor norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps) {
-  check_rows(x, "x");
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 1 && weight.is_contiguous() &&
-                  weight.size(0) == x.size(1),
-              "weight must be a contiguous bfloat16 [", x.size(1), "]");
-  if (delta) {
-    check_rows(*delta, "delta");
-    TORCH_CHECK(delta->sizes() == x.sizes(), "delta must be shaped as x, got ", delta->sizes(), " and ", x.sizes());
-  }
+template <class E>
+void norm_rows(at::Tensor& x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, at::Tensor& y,
+               double eps) {
   const int64_t rows = x.size(0), n = x.size(1);
-  at::Tensor y = at::empty({rows, n}, x.options());
-  uint16_t* xp = bf_mut(x);
-  const uint16_t* dp = delta ? bf(*delta) : nullptr;
-  const uint16_t* wp = bf(weight);
-  uint16_t* yp = bf_mut(y);
+  auto* xp = E::mut(x);
+  const auto* dp = delta ? E::ptr(*delta) : nullptr;
+  const auto* wp = E::ptr(weight);
+  auto* yp = E::mut(y);
   const int64_t xs = x.stride(0), ds = delta ? delta->stride(0) : 0;
   at::parallel_for(0, rows, row_grain(n), [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r)
       norm_row(xp + r * xs, dp ? dp + r * ds : nullptr, wp, yp + r * n, n, static_cast<float>(eps));
   });
+}
+
+at::Tensor norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.is_contiguous() &&
+                  weight.size(0) == x.size(1),
+              "weight must be a contiguous ", x.scalar_type(), " [", x.size(1), "]");
+  if (delta) {
+    check_rows(*delta, "delta");
+    TORCH_CHECK(delta->sizes() == x.sizes() && delta->scalar_type() == x.scalar_type(),
+                "delta must be shaped and typed as x, got ", delta->sizes(), " and ", x.sizes());
+  }
+  at::Tensor y = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == at::kBFloat16)
+    norm_rows<Bf16>(x, delta, weight, y, eps);
+  else
+    norm_rows<F32>(x, delta, weight, y, eps);
   return y;
 }
 
@@ -121,35 +162,33 @@ at::Tensor add_rms_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor&
   return norm(h, delta, weight, eps);
 }
 
-// x[t, h, :] = x * cos[t] + rotate_half(x) * sin[t], each product and the sum rounded to bf16.
-FD_CLONES void rope_head(uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t half) {
-  alignas(64) uint16_t lo[256];
+// x[t, h, :] = x * cos[t] + rotate_half(x) * sin[t], each product and the sum rounded as torch does.
+template <class E>
+FD_INLINE void rope_head_t(typename E::T* x, const typename E::T* c, const typename E::T* s, int64_t half) {
+  alignas(64) typename E::T lo[256];
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) lo[i] = x[i];
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
-    const float a = bf2f(x[i]), b = bf2f(x[i + half]);
-    x[i] = f2bf(round_bf(a * bf2f(c[i])) + round_bf(-b * bf2f(s[i])));
+    const float a = E::ld(x[i]), b = E::ld(x[i + half]);
+    x[i] = E::st(E::rnd(a * E::ld(c[i])) + E::rnd(-b * E::ld(s[i])));
   }
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
-    const float a = bf2f(lo[i]), b = bf2f(x[i + half]);
-    x[i + half] = f2bf(round_bf(b * bf2f(c[i + half])) + round_bf(a * bf2f(s[i + half])));
+    const float a = E::ld(lo[i]), b = E::ld(x[i + half]);
+    x[i + half] = E::st(E::rnd(b * E::ld(c[i + half])) + E::rnd(a * E::ld(s[i + half])));
   }
 }
+FD_CLONES void rope_head(uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t half) {
+  rope_head_t<Bf16>(x, c, s, half);
+}
+FD_CLONES void rope_head(float* x, const float* c, const float* s, int64_t half) { rope_head_t<F32>(x, c, s, half); }
 
-// x [T, heads, D] (rows may be strided, heads and D contiguous), cos, sin [T, D] bf16.
-void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 3, "x must be a CPU bfloat16 [T, heads, D]");
+template <class E>
+void rope_rows(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
-  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == D, "x must have contiguous heads");
-  TORCH_CHECK(D % 2 == 0 && D <= 512, "head_dim must be even and <= 512, got ", D);
-  for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 2 && t->size(0) == T && t->size(1) == D &&
-                    t->stride(1) == 1,
-                "cos and sin must be bfloat16 [", T, ", ", D, "] with contiguous rows");
-  uint16_t* xp = bf_mut(x);
-  const uint16_t *cp = bf(cos), *sp = bf(sin);
+  auto* xp = E::mut(x);
+  const auto *cp = E::ptr(cos), *sp = E::ptr(sin);
   const int64_t xs = x.stride(0), cs = cos.stride(0), ss = sin.stride(0);
   at::parallel_for(0, T, row_grain(H * D), [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; ++t)
@@ -157,20 +196,45 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-// out = bf16(silu(gate)) * up, rounded: gate, up = the two halves of each row of gu.
-FD_CLONES void silu_mul_row(const uint16_t* __restrict g, const uint16_t* __restrict u, uint16_t* __restrict o,
-                            int64_t n) {
+// x [T, heads, D] (rows may be strided, heads and D contiguous), cos, sin [T, D] of x's dtype.
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && is_fused_dtype(x.scalar_type()) && x.dim() == 3,
+              "x must be a CPU bfloat16 or float32 [T, heads, D]");
+  const int64_t T = x.size(0), D = x.size(2);
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == D, "x must have contiguous heads");
+  TORCH_CHECK(D % 2 == 0 && D <= 512, "head_dim must be even and <= 512, got ", D);
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->dim() == 2 && t->size(0) == T && t->size(1) == D &&
+                    t->stride(1) == 1,
+                "cos and sin must be ", x.scalar_type(), " [", T, ", ", D, "] with contiguous rows");
+  if (x.scalar_type() == at::kBFloat16)
+    rope_rows<Bf16>(x, cos, sin);
+  else
+    rope_rows<F32>(x, cos, sin);
+}
+
+// out = rnd(silu(gate)) * up, rounded: gate, up = the two halves of each row of gu.
+template <class E>
+FD_INLINE void silu_mul_row_t(const typename E::T* __restrict g, const typename E::T* __restrict u,
+                              typename E::T* __restrict o, int64_t n) {
   constexpr int64_t kChunk = 64;
   float a[kChunk];
   for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
     const int64_t m = std::min(kChunk, n - i0);
 #pragma omp simd
-    for (int64_t i = 0; i < m; ++i) a[i] = bf2f(g[i0 + i]);
+    for (int64_t i = 0; i < m; ++i) a[i] = E::ld(g[i0 + i]);
 #pragma omp simd
     for (int64_t i = 0; i < m; ++i) a[i] = a[i] / (1.f + fast_exp(-a[i]));
 #pragma omp simd
-    for (int64_t i = 0; i < m; ++i) o[i0 + i] = f2bf(round_bf(a[i]) * bf2f(u[i0 + i]));
+    for (int64_t i = 0; i < m; ++i) o[i0 + i] = E::st(E::rnd(a[i]) * E::ld(u[i0 + i]));
   }
+}
+FD_CLONES void silu_mul_row(const uint16_t* __restrict g, const uint16_t* __restrict u, uint16_t* __restrict o,
+                            int64_t n) {
+  silu_mul_row_t<Bf16>(g, u, o, n);
+}
+FD_CLONES void silu_mul_row(const float* __restrict g, const float* __restrict u, float* __restrict o, int64_t n) {
+  silu_mul_row_t<F32>(g, u, o, n);
 }
 
 // silu_mul_row in AVX-512F, 16 a vector: the same exp, division and roundings, so the same bits.
@@ -232,9 +296,18 @@ at::Tensor silu_mul(const at::Tensor& gu, bool portable) {
   TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up must have an even number of columns");
   const int64_t rows = gu.size(0), n = gu.size(1) / 2, s = gu.stride(0);
   at::Tensor out = at::empty({rows, n}, gu.options());
+  if (gu.scalar_type() == at::kFloat) {
+    const float* g = gu.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, rows, row_grain(2 * n), [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) silu_mul_row(g + r * s, g + r * s + n, o + r * n, n);
+    });
+    return out;
+  }
   const uint16_t* g = bf(gu);
   uint16_t* o = bf_mut(out);
-  const auto row = kHasAvx512f && !portable ? silu_mul_row_avx512 : silu_mul_row;
+  using Row = void (*)(const uint16_t*, const uint16_t*, uint16_t*, int64_t);
+  const Row row = kHasAvx512f && !portable ? static_cast<Row>(silu_mul_row_avx512) : static_cast<Row>(silu_mul_row);
   at::parallel_for(0, rows, row_grain(2 * n), [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r) row(g + r * s, g + r * s + n, o + r * n, n);
   });
@@ -250,6 +323,30 @@ FD_CLONES int64_t argmax_row(const uint16_t* x, int64_t n) {
     return (b & 0x8000) ? -v : v;
   };
   constexpr int64_t kLanes = 32;
+  int32_t best[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) best[l] = std::numeric_limits<int32_t>::min();
+  const int64_t body = n - n % kLanes;
+  for (int64_t i = 0; i < body; i += kLanes) {
+#pragma omp simd
+    for (int64_t l = 0; l < kLanes; ++l) best[l] = std::max(best[l], key(x[i + l]));
+  }
+  int32_t m = std::numeric_limits<int32_t>::min();
+  for (int64_t l = 0; l < kLanes; ++l) m = std::max(m, best[l]);
+  for (int64_t i = body; i < n; ++i) m = std::max(m, key(x[i]));
+  for (int64_t i = 0; i < n; ++i)
+    if (key(x[i]) == m) return i;
+  return 0;
+}
+
+// The same for float32: keys from the float's bits (NaN above +inf, -0 equal to +0).
+FD_CLONES int64_t argmax_row(const float* x, int64_t n) {
+  auto key = [](float f) -> int32_t {
+    const uint32_t u = __builtin_bit_cast(uint32_t, f);
+    const int32_t v = static_cast<int32_t>(u & 0x7fffffffu);
+    if (v > 0x7f800000) return std::numeric_limits<int32_t>::max();
+    return (u >> 31) ? -v : v;
+  };
+  constexpr int64_t kLanes = 16;
   int32_t best[kLanes];
   for (int64_t l = 0; l < kLanes; ++l) best[l] = std::numeric_limits<int32_t>::min();
   const int64_t body = n - n % kLanes;
@@ -302,8 +399,15 @@ at::Tensor argmax_rows(const at::Tensor& logits, bool portable) {
   const int64_t rows = logits.size(0), n = logits.size(1), s = logits.stride(0);
   TORCH_CHECK(n > 0, "logits must have at least one column");
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
-  const uint16_t* x = bf(logits);
   int64_t* o = out.data_ptr<int64_t>();
+  if (logits.scalar_type() == at::kFloat) {
+    const float* x = logits.data_ptr<float>();
+    at::parallel_for(0, rows, 1, [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) o[r] = argmax_row(x + r * s, n);
+    });
+    return out;
+  }
+  const uint16_t* x = bf(logits);
   const bool vector = kHasAvx512bw && !portable;
   at::parallel_for(0, rows, 1, [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r) o[r] = vector ? argmax_row_avx512(x + r * s, n) : argmax_row(x + r * s, n);
@@ -314,25 +418,37 @@ at::Tensor argmax_rows(const at::Tensor& logits, bool portable) {
 // Multinomial sampling of softmax(x / temperature) by inversion: the first token whose
 // cumulative weight exceeds u * total. Weights exp((x - max) / T) are summed chunk by chunk in
 // the same order in both passes, so the chunk holding the target is always found.
-FD_CLONES float chunk_weights(const uint16_t* x, int64_t m, float mx, float inv_t, float* w) {
+template <class E>
+FD_INLINE float chunk_weights_t(const typename E::T* x, int64_t m, float mx, float inv_t, float* w) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < m; ++i) {
-    const float v = bf2f(x[i]);
+    const float v = E::ld(x[i]);
     w[i] = v == -std::numeric_limits<float>::infinity() ? 0.f : fast_exp((v - mx) * inv_t);
     sum += w[i];
   }
   return sum;
 }
 
-FD_CLONES float row_max(const uint16_t* x, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, bf2f(x[i]));
-  return mx;
+FD_CLONES float chunk_weights(const uint16_t* x, int64_t m, float mx, float inv_t, float* w) {
+  return chunk_weights_t<Bf16>(x, m, mx, inv_t, w);
+}
+FD_CLONES float chunk_weights(const float* x, int64_t m, float mx, float inv_t, float* w) {
+  return chunk_weights_t<F32>(x, m, mx, inv_t, w);
 }
 
-int64_t sample_row(const uint16_t* x, int64_t n, float temperature, float u) {
+template <class E>
+FD_INLINE float row_max_t(const typename E::T* x, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, E::ld(x[i]));
+  return mx;
+}
+FD_CLONES float row_max(const uint16_t* x, int64_t n) { return row_max_t<Bf16>(x, n); }
+FD_CLONES float row_max(const float* x, int64_t n) { return row_max_t<F32>(x, n); }
+
+template <typename T>
+int64_t sample_row(const T* x, int64_t n, float temperature, float u) {
   constexpr int64_t kChunk = 256;
   alignas(64) float w[kChunk];
   const float mx = row_max(x, n), inv_t = 1.f / temperature;
@@ -381,18 +497,23 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& rows, const a
     TORCH_CHECK(up[j] >= 0.f && up[j] < 1.f, "u must be in [0, 1)");
   }
   at::Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
-  const uint16_t* x = bf(logits);
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, R, 1, [&](int64_t a, int64_t b) {
-    for (int64_t j = a; j < b; ++j) o[j] = sample_row(x + rp[j] * s, n, tp[j], up[j]);
-  });
+  auto sample = [&](const auto* x) {
+    at::parallel_for(0, R, 1, [&](int64_t a, int64_t b) {
+      for (int64_t j = a; j < b; ++j) o[j] = sample_row(x + rp[j] * s, n, tp[j], up[j]);
+    });
+  };
+  if (logits.scalar_type() == at::kFloat)
+    sample(logits.data_ptr<float>());
+  else
+    sample(bf(logits));
   return out;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fused bf16 S-Part ops on the CPU (see fastdecode/model/fused.py)";
+  m.doc() = "fused bf16 and fp32 S-Part ops on the CPU (see fastdecode/model/fused.py)";
   m.def("rms_norm", &rms_norm, "rms_norm(x, weight, eps) -> y", py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("add_rms_norm", &add_rms_norm, "add_rms_norm(h, delta, weight, eps) -> y; h += delta in place",
         py::arg("h"), py::arg("delta"), py::arg("weight"), py::arg("eps"));

@@ -61,10 +61,13 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.device = config.torch_device
         self.config = config
-        loaded = on_a_thread_of_its_own(load_model, config.model, config.model_dtype, self.device,
-                                        config.max_model_len)
+        loaded = on_a_thread_of_its_own(load_model, config.model, config.dtype, self.device,
+                                        config.max_model_len, config.max_running)
         self.model, self.tokenizer, self.args = loaded.model, loaded.tokenizer, loaded.args
         self.max_model_len = loaded.max_model_len
+        self.dtype = loaded.dtype.dtype
+        self.dtype_choice = loaded.dtype.as_dict()
+        log.info("fastdecode: dtype %s (%s)", self.dtype, loaded.dtype.reason)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.spec = KVSpec(self.args.num_layers, self.args.num_heads, self.args.num_kv_heads, self.args.head_dim)
         self.backend = on_a_thread_of_its_own(create_backend, config, self.spec)

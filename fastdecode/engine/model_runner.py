@@ -31,6 +31,7 @@ from fastdecode.engine.sampling import TokenLogprobs, logprobs_of
 from fastdecode.model.llama import LlamaModel
 
 PROMPT_LOGITS_ROWS = 256   # prompt positions per LM-head call for prompt log probabilities (memory: rows x vocab)
+FRESH_MAP_BYTES = 32 << 20  # glibc malloc's largest mmap threshold: bigger blocks are mapped fresh each time
 
 
 @dataclass
@@ -110,13 +111,18 @@ class ModelRunner:
         rows = torch.cat([mb.rows for mb in alive]).tolist()
         return DecodeResult(logits, rows, lost, out_of_kv, failed)
 
-    def _logits_buffer(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
-        """[rows, vocab], the same memory every step (valid until the next decode). Allocated
-        afresh, the logits of a large batch (50 MB at 512 rows) come from an mmap of their own
-        that every step faults in page by page: the LM head took twice as long (32 -> 16 ms)."""
+    def _logits_buffer(self, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """[rows, vocab], the same memory every step (valid until the next decode), where a fresh
+        tensor would be mapped from the kernel and faulted in page by page on every step (glibc
+        maps blocks above 32 MiB afresh: at 512 rows of bf16 the LM head took 32 ms, not 16).
+        None below that, where the model's own LM head is faster (bf16: its packed weight; fp32:
+        MKL took 8 ms for 8 rows of the default model's, 18 ms through matmul into a kept buffer)."""
+        vocab = self.model.args.vocab_size
+        if self.device == "cpu" and rows * vocab * dtype.itemsize <= FRESH_MAP_BYTES:
+            return None
         buf = self._logits
         if buf is None or buf.shape[0] < rows or buf.dtype != dtype:
-            self._logits = buf = torch.empty((-(-rows // 64) * 64, self.model.args.vocab_size), dtype=dtype,
+            self._logits = buf = torch.empty((-(-rows // 64) * 64, vocab), dtype=dtype,
                                              device=self.device)
         return buf[:rows]
 

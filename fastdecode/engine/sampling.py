@@ -19,8 +19,8 @@ frequency_penalty and presence_penalty subtract f * count + p * (count > 0) over
 tokens; then temperature; then min_p drops tokens whose probability is below min_p times the
 largest; then top-k and top-p. A greedy row takes the argmax of its penalized logits. Only those
 rows take that path, on a copy of their logits (their token history, kept by Sequence, gives the
-counts; the penalties touch only the tokens seen); where the logits are bf16 on the CPU, the
-penalized copy stays bf16 (each penalized logit rounded once) and the fused kernels sample it,
+counts; the penalties touch only the tokens seen); where the logits are bf16 or fp32 on the CPU,
+the penalized copy keeps their dtype (a bf16 logit rounded once) and the fused kernels sample it,
 min_p as a cut at max(x) + T * ln(min_p), unless top-k or top-p ask for the float32 path. A batch
 where no row asks for any of this samples as before, at the cost of one scan of the rows' flags.
 Logprobs (token_logprobs) are those of the raw logits.
@@ -290,7 +290,7 @@ def _sample_adjusted(logits, params, generators, histories, eos_token_ids) -> to
         if p.needs_history and h is None:
             raise ValueError(f"row {i} uses penalties or min_tokens but has no token history")
     idx = torch.tensor(rows, device=logits.device)
-    fusable = fused.can_sample(logits)      # bf16 on the CPU: the fused kernels sample the adjusted copy
+    fusable = fused.can_sample(logits)      # bf16 or fp32 on the CPU: the fused kernels sample the adjusted copy
     x = logits.index_select(0, idx)
     if not fusable:
         x = x.float()

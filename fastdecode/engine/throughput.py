@@ -35,7 +35,7 @@ def run_throughput(config: EngineConfig, batch: int, new_tokens: int, prompt_len
     decode = [r for r in steps if r["num_prefill"] == 0]
     decode_time = sum(r["step_time"] for r in decode)
     decode_tokens = sum(r["batch_size"] for r in decode)
-    return {"batch": batch, "new_tokens": new_tokens, "prompt_len": prompt_len, "dtype": config.model_dtype,
+    return {"batch": batch, "new_tokens": new_tokens, "prompt_len": prompt_len, "dtype": engine.dtype,
             "attention": config.attention, "kv_format": config.kv_format, "generated_tokens": generated,
             "total_s": total, "tokens_per_s": generated / total,
             "decode_tokens_per_s": decode_tokens / decode_time if decode_time else 0.0,

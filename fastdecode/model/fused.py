@@ -1,8 +1,8 @@
-"""Fused bf16 ops for the S-Part on the CPU (csrc/spart/fused_ops.cpp -> fastdecode._spart_ops).
+"""Fused ops for the S-Part on the CPU (csrc/spart/fused_ops.cpp -> fastdecode._spart_ops).
 
-Where the model runs in bf16 on the CPU, each decoder layer runs 4 fused ops instead of about
-25 small torch ops: at a batch of 128 a step spends more time issuing and looping over those
-than in the attention kernel. The torch code each one replaces is the reference, beside it:
+Where the model runs on the CPU (bf16 or fp32), each decoder layer runs 4 fused ops instead of
+about 25 small torch ops: at a batch of 128 a step spends more time issuing and looping over
+those than in the attention kernel. The torch code each one replaces is the reference, beside it:
 
     rms_norm(x, w, eps)          RMSNorm(x)                            (layers.py)
     add_rms_norm(h, d, w, eps)   h = h + d; RMSNorm(h)    (h updated in place)
@@ -11,8 +11,9 @@ than in the attention kernel. The torch code each one replaces is the reference,
     argmax_rows(logits)          logits.max(-1).indices
     sample_rows(logits, ...)     multinomial draw from softmax(logits / T)  (engine/sampling.py)
 
-They round to bf16 where torch does, so they agree with it but for float32 summation order
-(tests/test_fused_ops.py). Applied to a model as a function, like pack_linears.
+In bf16 they round to bf16 where torch does, so in either dtype they agree with it but for
+float32 summation order (tests/test_fused_ops.py). Applied to a model as a function, like
+pack_linears.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from torch import nn
 
 
 def fused_supported(dtype: torch.dtype, device: str) -> bool:
-    return device == "cpu" and dtype == torch.bfloat16
+    return device == "cpu" and dtype in (torch.bfloat16, torch.float32)
 
 
 _ops = None
@@ -39,7 +40,7 @@ def load_ops():
 
 
 def fuse_layers(model: nn.Module) -> bool:
-    """Give every decoder layer of a bf16 CPU model the fused ops; True when it did."""
+    """Give every decoder layer of a bf16 or fp32 CPU model the fused ops; True when it did."""
     weight = model.embed_tokens.weight
     if not fused_supported(weight.dtype, weight.device.type):
         return False
@@ -51,7 +52,7 @@ def fuse_layers(model: nn.Module) -> bool:
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Index of each row's first maximum (torch.max's choice), fused for bf16 CPU logits."""
+    """Index of each row's first maximum (torch.max's choice), fused for bf16 and fp32 CPU logits."""
     if fused_supported(logits.dtype, logits.device.type) and logits.dim() == 2 and logits.stride(1) == 1 \
             and logits.shape[1] > 0:
         return (_ops or load_ops()).argmax_rows(logits)

@@ -145,7 +145,7 @@ class LlamaModel(nn.Module):
     def logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm + LM head: logits [N, vocab] in the model's dtype (the sampler upcasts
         only the rows it samples from; a greedy argmax needs no float32 copy), into `out` when
-        given (the same bits as without)."""
+        given (by torch.matmul on the plain weight: equal to float rounding)."""
         x = self.norm(h) if self.ops is None else self.ops.rms_norm(h, self.norm.weight, self.norm.eps)
         if out is None:
             return self.lm_head(x)

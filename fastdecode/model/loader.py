@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from fastdecode.model.dtype_choice import DtypeChoice, choose_dtype
 from fastdecode.model.llama import LlamaModel, ModelArgs, check_context
 from fastdecode.model.fused import fuse_layers
 from fastdecode.model.packed import pack_linears
@@ -34,6 +35,7 @@ class LoadedModel:
     args: ModelArgs
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    dtype: DtypeChoice
 
 
 def map_name(name: str) -> tuple[str, int | None]:
@@ -80,23 +82,26 @@ def eos_ids(path: Path, hf_config, tokenizer) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", max_model_len: int = 0) -> LoadedModel:
+def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", max_model_len: int = 0,
+               batch: int = 256) -> LoadedModel:
+    """dtype "auto" is chosen for `device` by model/dtype_choice.py, at `batch` sequences decoding."""
     from transformers import AutoConfig, AutoTokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES and dtype != "auto":
+        raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPES)}, got {dtype!r}")
     hf_config = AutoConfig.from_pretrained(path)
     args = ModelArgs.from_hf(hf_config)
+    choice = choose_dtype(dtype, device, args, batch)
     tokenizer = AutoTokenizer.from_pretrained(path)
     max_len = max_model_len or args.max_position_embeddings
     check_context(hf_config, max_len)
 
     with torch.device("meta"):
         model = LlamaModel(args, hf_config, max_len)
-    state = read_state_dict(path, DTYPES[dtype])
+    state = read_state_dict(path, DTYPES[choice.dtype])
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     ours = {k for k in model.state_dict() if not (args.tie_word_embeddings and k == "lm_head.weight")}
@@ -112,4 +117,4 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", ma
     model.requires_grad_(False)
     pack_linears(model)
     fuse_layers(model)
-    return LoadedModel(model, tokenizer, hf_config, args, max_len, eos_ids(path, hf_config, tokenizer))
+    return LoadedModel(model, tokenizer, hf_config, args, max_len, eos_ids(path, hf_config, tokenizer), choice)
