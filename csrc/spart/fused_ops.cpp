@@ -315,52 +315,37 @@ at::Tensor silu_mul(const at::Tensor& gu, bool portable) {
 }
 
 // Index of the first maximum of each row (a NaN counts as the maximum, as in torch.max).
-FD_CLONES int64_t argmax_row(const uint16_t* x, int64_t n) {
-  // bf16 bits -> a key whose integer order is the float order (NaN above +inf).
-  auto key = [](uint16_t b) -> int32_t {
-    const int32_t v = b & 0x7fff;
-    if (v > 0x7f80) return 0x10000;
-    return (b & 0x8000) ? -v : v;
-  };
-  constexpr int64_t kLanes = 32;
-  int32_t best[kLanes];
-  for (int64_t l = 0; l < kLanes; ++l) best[l] = std::numeric_limits<int32_t>::min();
-  const int64_t body = n - n % kLanes;
-  for (int64_t i = 0; i < body; i += kLanes) {
-#pragma omp simd
-    for (int64_t l = 0; l < kLanes; ++l) best[l] = std::max(best[l], key(x[i + l]));
-  }
-  int32_t m = std::numeric_limits<int32_t>::min();
-  for (int64_t l = 0; l < kLanes; ++l) m = std::max(m, best[l]);
-  for (int64_t i = body; i < n; ++i) m = std::max(m, key(x[i]));
-  for (int64_t i = 0; i < n; ++i)
-    if (key(x[i]) == m) return i;
-  return 0;
+// Keys whose integer order is the float order, NaN above +inf and -0 equal to +0.
+inline int32_t argmax_key(uint16_t b) {      // bf16 bits
+  const int32_t v = b & 0x7fff;
+  if (v > 0x7f80) return 0x10000;
+  return (b & 0x8000) ? -v : v;
+}
+inline int32_t argmax_key(float f) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, f);
+  const int32_t v = static_cast<int32_t>(u & 0x7fffffffu);
+  if (v > 0x7f800000) return std::numeric_limits<int32_t>::max();
+  return (u >> 31) ? -v : v;
 }
 
-// The same for float32: keys from the float's bits (NaN above +inf, -0 equal to +0).
-FD_CLONES int64_t argmax_row(const float* x, int64_t n) {
-  auto key = [](float f) -> int32_t {
-    const uint32_t u = __builtin_bit_cast(uint32_t, f);
-    const int32_t v = static_cast<int32_t>(u & 0x7fffffffu);
-    if (v > 0x7f800000) return std::numeric_limits<int32_t>::max();
-    return (u >> 31) ? -v : v;
-  };
-  constexpr int64_t kLanes = 16;
+template <typename T, int64_t kLanes>
+FD_INLINE int64_t argmax_row_t(const T* x, int64_t n) {
   int32_t best[kLanes];
   for (int64_t l = 0; l < kLanes; ++l) best[l] = std::numeric_limits<int32_t>::min();
   const int64_t body = n - n % kLanes;
   for (int64_t i = 0; i < body; i += kLanes) {
 #pragma omp simd
-    for (int64_t l = 0; l < kLanes; ++l) best[l] = std::max(best[l], key(x[i + l]));
+    for (int64_t l = 0; l < kLanes; ++l) best[l] = std::max(best[l], argmax_key(x[i + l]));
   }
   int32_t m = std::numeric_limits<int32_t>::min();
   for (int64_t l = 0; l < kLanes; ++l) m = std::max(m, best[l]);
-  for (int64_t i = body; i < n; ++i) m = std::max(m, key(x[i]));
+  for (int64_t i = body; i < n; ++i) m = std::max(m, argmax_key(x[i]));
   for (int64_t i = 0; i < n; ++i)
-    if (key(x[i]) == m) return i;
+    if (argmax_key(x[i]) == m) return i;
   return 0;
 }
+FD_CLONES int64_t argmax_row(const uint16_t* x, int64_t n) { return argmax_row_t<uint16_t, 32>(x, n); }
+FD_CLONES int64_t argmax_row(const float* x, int64_t n) { return argmax_row_t<float, 16>(x, n); }
 
 // argmax_row with AVX-512BW, 32 bf16 a vector: the same keys in 16 bits (NaN as 0x7fff, above +inf's
 // 0x7f80); one pass for the maximum, then the first lane equal to it (the row is in cache by then).
