@@ -142,11 +142,12 @@ def test_past_16_streams_responses_carry_two_tokens_and_nothing_changes(server):
     """stream_interval auto: with more than 16 requests streaming, a response carries two tokens
     (the first token still goes alone); the text is the same as each request's alone."""
     prompts = [f"Stream {i}: the quick brown fox {'jumps ' * (i % 3)}" for i in range(24)]
-    one_by_one = [text(generate(server, p)) for p in prompts]
+    long = {**GREEDY, "max_tokens": 96, "ignore_eos": True}    # long enough that the streams overlap
+    one_by_one = [text(generate(server, p, long)) for p in prompts]
     streams: dict[int, list] = {}
 
     def run(i):
-        streams[i] = generate(server, prompts[i], return_num_output_tokens=True)
+        streams[i] = generate(server, prompts[i], long, return_num_output_tokens=True)
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
@@ -155,8 +156,8 @@ def test_past_16_streams_responses_carry_two_tokens_and_nothing_changes(server):
     assert [text(streams[i]) for i in range(len(prompts))] == one_by_one
     for responses in streams.values():
         counts = [r["num_output_tokens"] for r in responses]
-        assert sum(counts) == GREEDY["max_tokens"] and counts[0] == 1
-    assert sum(len(r) for r in streams.values()) < 0.7 * len(prompts) * GREEDY["max_tokens"]
+        assert sum(counts) == long["max_tokens"] and counts[0] == 1
+    assert sum(len(r) for r in streams.values()) < 0.7 * len(prompts) * long["max_tokens"]
 
 
 def test_cancelling_a_stream_frees_rworker_kv(server, fleet):
