@@ -246,10 +246,9 @@ def cpu_model() -> str:
 
 
 def cpu_flags() -> list[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx512_bf16", "amx", "avx512f", "avx2")))
-    return []
+    from fastdecode.model.dtype_choice import cpu_flags as all_flags
+
+    return sorted(f for f in all_flags() if f.startswith(("avx512_bf16", "amx", "avx512f", "avx2")))
 
 
 def stream_gbps() -> float:
