@@ -416,7 +416,7 @@ def coalesce(batch: list) -> list:
         merged[out.request_id] = out if prev is None else replace(
             out, token_ids=prev.token_ids + out.token_ids, text=prev.text + out.text,
             logprobs=None if out.logprobs is None else (prev.logprobs or []) + out.logprobs,
-            prompt_logprobs=getattr(prev, "prompt_logprobs", None) or getattr(out, "prompt_logprobs", None))
+            prompt_logprobs=prev.prompt_logprobs or out.prompt_logprobs)
     return list(merged.values())
 
 

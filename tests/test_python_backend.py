@@ -35,6 +35,7 @@ class Out:
     num_output_tokens: int = 0
     error: str | None = None
     logprobs: list | None = None        # as the engine's RequestOutput: coalesce() merges them
+    prompt_logprobs: list | None = None
 
 
 class FakeEngine:
