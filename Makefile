@@ -42,7 +42,7 @@ $(STUB): $(VENV)/.installed
 
 # The C++ kernel and the gRPC stubs, rebuilt only when their sources change.
 build: $(VENV)/.built
-$(VENV)/.built: $(VENV)/.installed setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/spart/*.cpp rpart/proto/*.proto)
+$(VENV)/.built: $(VENV)/.installed setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/spart/*.cpp csrc/spart/*.h rpart/proto/*.proto)
 	# unlink first: a running R-worker or Triton keeps its mapped copy intact
 	rm -f rpart/_kernels*.so fastdecode/_spart_ops*.so
 	$(PY) setup.py -q build_ext --inplace

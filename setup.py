@@ -47,7 +47,7 @@ def spart_ops():
     except ImportError:
         return None
     return CppExtension(
-        "fastdecode._spart_ops", sorted(glob.glob("csrc/spart/*.cpp")),
+        "fastdecode._spart_ops", sorted(glob.glob("csrc/spart/*.cpp")), depends=sorted(glob.glob("csrc/spart/*.h")),
         # -fno-trapping-math lets the compiler vectorize the clamps of exp; nothing reads FP flags.
         extra_compile_args=["-O3", "-fno-math-errno", "-fno-trapping-math", "-Wall", "-fopenmp"],
         extra_link_args=["-fopenmp"])

@@ -3,6 +3,7 @@ probe, and one with it takes whichever the probe timed faster."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -41,8 +42,10 @@ def test_no_native_bf16_means_fp32_without_a_probe(monkeypatch):
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                     reason="torch's oneDNN has no bf16 here")
 @pytest.mark.parametrize("bf16, fp32, want", [([0.2, 0.1], [0.3, 0.3], "bfloat16"),
-                                              ([0.5, 0.4], [0.3, 0.9], "float32")])
-def test_native_bf16_takes_the_faster_of_the_probe(monkeypatch, bf16, fp32, want):
+                                              ([0.5, 0.4], [0.3, 0.9], "float32"),
+                                              ([0.2, 0.28], [0.3, 0.22], "float32"),   # bf16 1.1x: not enough
+                                              ([0.2, 0.3], [0.23, 0.4], "bfloat16")])  # 1.15x
+def test_native_bf16_takes_the_faster_of_the_probe_by_a_margin(monkeypatch, bf16, fp32, want):
     monkeypatch.setattr(dtype_choice, "time_products", fake_timer({"bfloat16": bf16, "float32": fp32}))
     for flag in ("avx512_bf16", "amx_bf16"):
         choice = choose_dtype("auto", "cpu", ARGS, 100_000, flags=[flag])
@@ -68,8 +71,19 @@ def test_the_real_probe_times_both_and_picks_one():
     assert all(n * k <= dtype_choice.PROBE_MAX_WEIGHT for n, k, _ in probe_shapes(
         ARGS.__class__(**{**ARGS.__dict__, "vocab_size": 200_000, "hidden_size": 4096})))
     for dtype in (torch.float32, torch.bfloat16):
-        t = dtype_choice.time_products(shapes, dtype, 8)()
+        run = dtype_choice.time_products(shapes, dtype, 8)
+        start = time.perf_counter()
+        t = run()
         assert 0 < t < 10
+        assert time.perf_counter() - start >= dtype_choice.PROBE_MIN_ROUND_S   # tiny products: repeated
+
+
+def test_products_too_small_to_time_mean_fp32_without_a_probe(monkeypatch):
+    """A tiny model's products take microseconds in either dtype: OpenMP wake-ups set their time and
+    a probe flipped between starts (0.77 against 0.99 ms one start, 0.26 against 0.10 the next)."""
+    monkeypatch.setattr(dtype_choice, "time_products", lambda *a: pytest.fail("probed products too small to time"))
+    choice = choose_dtype("auto", "cpu", ARGS, 5, flags=["avx512_bf16"])
+    assert choice.dtype == "float32" and "too small" in choice.reason and not choice.seconds
 
 
 def test_load_model_reports_its_choice(tiny_model_dir):

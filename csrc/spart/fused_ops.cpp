@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <limits>
 
+#include "packed_gemm.h"
+
 namespace {
 
 #define FD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -515,4 +517,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_rows", &sample_rows,
         "sample_rows(logits, rows, temperatures, u) -> int64 token of each row: softmax(x / T) inverted at u",
         py::arg("logits"), py::arg("rows"), py::arg("temperatures"), py::arg("u"));
+  register_packed_gemm(m);
 }

@@ -115,8 +115,7 @@ class ModelRunner:
         """[rows, vocab], the same memory every step (valid until the next decode), where a fresh
         tensor would be mapped from the kernel and faulted in page by page on every step (glibc
         maps blocks above 32 MiB afresh: at 512 rows of bf16 the LM head took 32 ms, not 16).
-        None below that, where the model's own LM head is faster (bf16: its packed weight; fp32:
-        MKL took 8 ms for 8 rows of the default model's, 18 ms through matmul into a kept buffer)."""
+        None below that, where a fresh tensor comes from malloc's free lists at no extra cost."""
         vocab = self.model.args.vocab_size
         if self.device == "cpu" and rows * vocab * dtype.itemsize <= FRESH_MAP_BYTES:
             return None

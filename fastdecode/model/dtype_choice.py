@@ -5,8 +5,10 @@ native bf16 (AMX, or AVX512-BF16 alone) does not always multiply faster in bf16:
 oneDNN's bf16 GEMMs ran several times fp32's speed; on a 2-core Xeon that exposes AVX512-BF16
 but not AMX, they took 1.4-1.6x fp32's time from batch 32 up while bf16 halved the bytes read
 at batch 1 to 8 (bench/README.md). So there "auto" times one decoder layer's matrix products
-and a slice of the LM head as the engine runs them (bf16 packed for oneDNN, fp32 through MKL),
-at the batch the engine runs at full load, both ways in alternation, and takes the faster.
+and a slice of the LM head as the engine runs them (bf16 packed for oneDNN, fp32 packed for MKL),
+at the batch the engine runs at full load, both ways in alternation, and takes bf16 only where
+it is clearly the faster (fp32 keeps the checkpoint's precision; a close call would flip from
+one start to the next on a shared machine).
 """
 from __future__ import annotations
 
@@ -23,6 +25,10 @@ from fastdecode.model.packed import PackedLinear, packing_supported
 PROBE_MAX_BATCH = 256          # rows of the probe's products: the engine at full load, capped
 PROBE_MAX_WEIGHT = 1 << 22     # elements per probe weight (the LM head is cut to this many)
 PROBE_ROUNDS = 4
+PROBE_MIN_ROUND_S = 0.02       # a round repeats the products at least this long (a tiny model's take microseconds)
+BF16_MARGIN = 1.15             # bf16 is taken where fp32 takes at least this many times as long
+PROBE_MIN_FLOP = 50e6          # below, a step's products take microseconds in either dtype: thread wake-ups, not
+                               # the dtype, set their time, so the probe would pick at random
 
 
 @dataclass(frozen=True)
@@ -69,14 +75,21 @@ def time_products(shapes: list[tuple[int, int, int]], dtype: torch.dtype, batch:
         layer = PackedLinear(linear) if packing_supported(dtype, "cpu") else linear
         cases.append((layer, torch.randn(batch, k, generator=gen).to(dtype), times))
 
-    def run() -> float:
+    def one_pass() -> float:
         total = 0.0
-        with torch.inference_mode():
-            for layer, x, times in cases:
-                t = time.perf_counter()
-                layer(x)
-                total += (time.perf_counter() - t) * times
+        for layer, x, times in cases:
+            t = time.perf_counter()
+            layer(x)
+            total += (time.perf_counter() - t) * times
         return total
+
+    def run() -> float:
+        passes, total, start = 0, 0.0, time.perf_counter()
+        with torch.inference_mode():
+            while passes == 0 or time.perf_counter() - start < PROBE_MIN_ROUND_S:
+                total += one_pass()
+                passes += 1
+        return total / passes
     return run
 
 
@@ -107,9 +120,14 @@ def choose_dtype(dtype: str, device: str, args: ModelArgs, batch: int,
         return DtypeChoice("float32", "auto: torch's oneDNN has no bf16 on this CPU")
     batch = max(1, min(batch, PROBE_MAX_BATCH))
     shapes = probe_shapes(args)
+    flop = 2 * batch * sum(n * k * times for n, k, times in shapes)
+    if flop < PROBE_MIN_FLOP:
+        return DtypeChoice("float32", f"auto: a step's matrix products are too small for the dtype to matter "
+                                      f"({flop / 1e6:.1f} MFLOP at batch {batch})")
     seconds = probe({"bfloat16": time_products(shapes, torch.bfloat16, batch),
                      "float32": time_products(shapes, torch.float32, batch)})
-    chosen = min(seconds, key=seconds.get)
-    return DtypeChoice(chosen, f"auto: the faster on this CPU at batch {batch} "
-                               f"(bf16 {seconds['bfloat16'] * 1e3:.1f} ms, fp32 {seconds['float32'] * 1e3:.1f} ms "
-                               f"a step of matrix products)", seconds)
+    timing = (f"at batch {batch} (bf16 {seconds['bfloat16'] * 1e3:.2f} ms, fp32 {seconds['float32'] * 1e3:.2f} ms "
+              f"a step of matrix products)")
+    if seconds["bfloat16"] * BF16_MARGIN <= seconds["float32"]:
+        return DtypeChoice("bfloat16", f"auto: bf16 is the faster on this CPU {timing}", seconds)
+    return DtypeChoice("float32", f"auto: bf16 is not {BF16_MARGIN}x faster on this CPU {timing}", seconds)

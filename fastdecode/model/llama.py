@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdecode.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+from fastdecode.model.packed import PackedLinear
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -145,10 +146,12 @@ class LlamaModel(nn.Module):
     def logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm + LM head: logits [N, vocab] in the model's dtype (the sampler upcasts
         only the rows it samples from; a greedy argmax needs no float32 copy), into `out` when
-        given (by torch.matmul on the plain weight: equal to float rounding)."""
+        given."""
         x = self.norm(h) if self.ops is None else self.ops.rms_norm(h, self.norm.weight, self.norm.eps)
         if out is None:
             return self.lm_head(x)
+        if isinstance(self.lm_head, PackedLinear):
+            return self.lm_head(x, out=out)
         return torch.matmul(x, self.lm_head.weight.t(), out=out)
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:

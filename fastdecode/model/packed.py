@@ -1,11 +1,12 @@
-"""bf16 linear layers on the CPU with their weights packed once for oneDNN.
+"""CPU linear layers with their weights packed once for the library that multiplies them.
 
-torch's bf16 `F.linear` on the CPU calls oneDNN, which reorders the weight into its
-blocked layout on every call. Packing once at load time runs the same oneDNN matmul on
-the same blocked weight, so the products are bit-identical; only the per-call reorder
-goes (about a quarter of a small batch's step on a 2-core AVX512-BF16 machine).
-Applied to the model as a function, like quantization in gpt-fast: the model code
-itself stays a plain Llama.
+torch's `F.linear` on the CPU packs the weight into the GEMM library's own layout on every
+call: oneDNN's blocked layout in bf16, MKL's panels in fp32 (cblas_sgemm). At a decode batch
+that copy is a large part of the product (fp32, batch 8: about 45%). Packing once at load runs
+the same library on the same packed weight: in bf16 the products are bit-identical; in fp32
+they equal F.linear's but for the summation order of long rows (1e-6 relative), and a row's
+result no longer depends on how many rows share the call. Applied to the model as a function,
+like quantization in gpt-fast: the model code itself stays a plain Llama.
 """
 from __future__ import annotations
 
@@ -14,30 +15,56 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _ops():
+    try:
+        from fastdecode import _spart_ops
+    except ImportError:
+        return None
+    return _spart_ops
+
+
 def packing_supported(dtype: torch.dtype, device: str) -> bool:
-    return (device == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if device != "cpu":
+        return False
+    if dtype == torch.bfloat16:
+        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float32:
+        ops = _ops()
+        return ops is not None and ops.mkl_packing_available()
+    return False
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear's forward on a weight packed by oneDNN; `weight` stays for state_dict readers."""
+    """nn.Linear's forward on a packed weight; `weight` stays for state_dict readers."""
 
     def __init__(self, linear: nn.Linear, batch_hint: int = 64) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint),
-                             persistent=False)
+        self.dtype = linear.weight.dtype
+        w = linear.weight.detach()
+        packed = (torch.ops.mkldnn._reorder_linear_weight(w, batch_hint) if self.dtype == torch.bfloat16
+                  else _ops().pack_linear_weight(w))
+        self.register_buffer("packed", packed, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T + bias, into `out` (rows x out_features, contiguous rows) when given."""
+        if x.dtype != self.dtype or x.device.type != "cpu":
+            y = F.linear(x, self.weight, self.bias)
+            return y if out is None else out.copy_(y)
+        if self.dtype == torch.bfloat16:
+            if out is not None and self.bias is None:
+                return torch.matmul(x, self.weight.t(), out=out)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return y if out is None else out.copy_(y)
+        rows = x.reshape(-1, self.in_features)
+        y = _ops().packed_linear(rows, self.packed, self.bias, out)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every bf16 CPU nn.Linear of `model` by a PackedLinear; returns how many."""
+    """Replace every CPU nn.Linear of `model` whose dtype packs (bf16, fp32) by a PackedLinear; returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -1,0 +1,151 @@
+"""Linear layers on packed weights (fastdecode/model/packed.py, csrc/spart/packed_gemm.cpp)
+against F.linear, their reference: the same products, a row's result independent of the call's
+row count, and garbage refused with a clear error."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdecode.model.packed import PackedLinear, pack_linears, packing_supported
+
+ops = pytest.importorskip("fastdecode._spart_ops")
+mkl = pytest.mark.skipif(not ops.mkl_packing_available(), reason="this torch has no MKL packed sgemm")
+
+# (out_features, in_features): SmolLM2's qkv, o, gate_up, down and an LM head slice, and odd sizes
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (8192, 576), (37, 13), (1, 1)]
+
+
+def linear(n: int, k: int, bias: bool = False, dtype=torch.float32, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    layer = nn.Linear(k, n, bias=bias, dtype=dtype).requires_grad_(False)
+    layer.weight.normal_(0, 0.05)
+    if bias:
+        layer.bias.normal_(0, 0.5)
+    return layer
+
+
+@mkl
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 7, 128, 1000])
+def test_fp32_packed_equals_f_linear(n, k, rows):
+    ref = linear(n, k)
+    x = torch.randn(rows, k)
+    got = PackedLinear(ref)(x)
+    want = F.linear(x, ref.weight)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@mkl
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (8192, 576)])
+def test_fp32_a_rows_result_does_not_depend_on_the_calls_row_count(n, k):
+    layer = PackedLinear(linear(n, k))
+    x = torch.randn(512, k)
+    full = layer(x)
+    for rows in (1, 2, 3, 8, 31, 64, 129, 300, 511):
+        assert torch.equal(layer(x[:rows]), full[:rows]), rows
+        assert torch.equal(layer(x[-rows:]), full[-rows:]), rows
+
+
+@mkl
+def test_fp32_bias_strided_rows_batched_input_and_out():
+    ref = linear(96, 40, bias=True)
+    layer = PackedLinear(ref)
+    wide = torch.randn(10, 3 * 40)
+    x = wide[:, 40:80]                                  # rows of a wider buffer, read in place
+    want = F.linear(x, ref.weight, ref.bias)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x.t().contiguous().t()), want, rtol=1e-5, atol=1e-5)  # column-major
+    x3 = torch.randn(2, 5, 40)
+    torch.testing.assert_close(layer(x3), F.linear(x3, ref.weight, ref.bias), rtol=1e-5, atol=1e-5)
+    buf = torch.full((16, 96), float("nan"))
+    got = layer(x, out=buf[:10])
+    assert got.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(buf[:10], want, rtol=1e-5, atol=1e-5)
+    assert torch.isnan(buf[10:]).all()                  # rows past the call's are left alone
+    assert layer(torch.empty(0, 40)).shape == (0, 96)
+
+
+@mkl
+def test_fp32_pack_linears_replaces_the_layers_and_keeps_the_state_dict():
+    model = nn.Sequential(linear(64, 32), nn.ReLU(), linear(16, 64, bias=True))
+    keys = set(model.state_dict())
+    x = torch.randn(5, 32)
+    want = model(x)
+    assert pack_linears(model) == 2
+    assert all(isinstance(model[i], PackedLinear) for i in (0, 2))
+    assert set(model.state_dict()) == keys
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_packing_is_only_for_cpu_bf16_and_fp32():
+    assert not packing_supported(torch.float16, "cpu")
+    assert not packing_supported(torch.float32, "cuda")
+    assert packing_supported(torch.float32, "cpu") == ops.mkl_packing_available()
+    model = nn.Sequential(linear(8, 4, dtype=torch.float64))
+    assert pack_linears(model) == 0 and type(model[0]) is nn.Linear
+
+
+@pytest.mark.skipif(not packing_supported(torch.bfloat16, "cpu"), reason="no oneDNN bf16 on this CPU")
+def test_bf16_packed_is_bit_identical_to_f_linear_and_fills_out():
+    ref = linear(960, 576, dtype=torch.bfloat16)
+    layer = PackedLinear(ref)
+    x = torch.randn(33, 576).to(torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, ref.weight))
+    out = torch.empty(33, 960, dtype=torch.bfloat16)
+    assert layer(x, out=out).data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, F.linear(x, ref.weight).float().to(torch.bfloat16), rtol=0.02, atol=0.02)
+
+
+@mkl
+def test_another_dtype_is_refused_as_nn_linear_refuses_it():
+    ref = linear(24, 12)
+    layer = PackedLinear(ref)
+    x = torch.randn(3, 12, dtype=torch.float64)
+    with pytest.raises(RuntimeError) as want:
+        ref(x)
+    with pytest.raises(RuntimeError) as got:
+        layer(x)
+    assert str(got.value) == str(want.value)
+
+
+# -- garbage ---------------------------------------------------------------------------------
+
+@mkl
+@pytest.mark.parametrize("weight,match", [
+    (torch.randn(8, 4, dtype=torch.float64), "float32"),
+    (torch.randn(8), "float32 CPU tensor"),
+    (torch.randn(2, 3, 4), "float32 CPU tensor"),
+    (torch.randn(0, 4), "dimensions"),
+    (torch.randn(4, 0), "dimensions"),
+])
+def test_pack_refuses_garbage_weights(weight, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.pack_linear_weight(weight)
+
+
+@mkl
+def test_packed_linear_refuses_garbage():
+    w = torch.randn(16, 8)
+    packed = ops.pack_linear_weight(w)
+    x = torch.randn(3, 8)
+    cases = [
+        (lambda: ops.packed_linear(x.double(), packed), "float32"),
+        (lambda: ops.packed_linear(torch.randn(3, 9), packed), "9 features, the weight takes 8"),
+        (lambda: ops.packed_linear(torch.randn(8), packed), "float32 CPU tensor"),
+        (lambda: ops.packed_linear(x, packed.clone()), "another address"),
+        (lambda: ops.packed_linear(x, torch.zeros(4096, dtype=torch.uint8)), "pack_linear_weight"),
+        (lambda: ops.packed_linear(x, torch.zeros(8, dtype=torch.uint8)), "pack_linear_weight"),
+        (lambda: ops.packed_linear(x, w), "pack_linear_weight"),
+        (lambda: ops.packed_linear(x, packed[:100]), "truncated"),
+        (lambda: ops.packed_linear(x, packed, torch.randn(15)), "bias"),
+        (lambda: ops.packed_linear(x, packed, torch.randn(16).double()), "bias"),
+        (lambda: ops.packed_linear(x, packed, None, torch.empty(3, 15)), "out"),
+        (lambda: ops.packed_linear(x, packed, None, torch.empty(4, 16)), "out"),
+        (lambda: ops.packed_linear(x, packed, None, torch.empty(16, 3).t()), "out"),
+        (lambda: ops.packed_linear(x, packed, None, torch.empty(3, 16, dtype=torch.float64)), "out"),
+    ]
+    for call, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            call()
+    torch.testing.assert_close(ops.packed_linear(x, packed), x @ w.t())   # still serves
