@@ -14,13 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastdecode.model.fused import load_ops
+
 
 def _ops():
     try:
-        from fastdecode import _spart_ops
-    except ImportError:
+        return load_ops()
+    except RuntimeError:            # not built: the model keeps F.linear
         return None
-    return _spart_ops
 
 
 def packing_supported(dtype: torch.dtype, device: str) -> bool:
@@ -44,8 +45,9 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.dtype = linear.weight.dtype
         w = linear.weight.detach()
-        packed = (torch.ops.mkldnn._reorder_linear_weight(w, batch_hint) if self.dtype == torch.bfloat16
-                  else _ops().pack_linear_weight(w))
+        self._ops = None if self.dtype == torch.bfloat16 else load_ops()
+        packed = (torch.ops.mkldnn._reorder_linear_weight(w, batch_hint) if self._ops is None
+                  else self._ops.pack_linear_weight(w))
         self.register_buffer("packed", packed, persistent=False)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,7 +61,7 @@ class PackedLinear(nn.Module):
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return y if out is None else out.copy_(y)
         rows = x.reshape(-1, self.in_features)
-        y = _ops().packed_linear(rows, self.packed, self.bias, out)
+        y = self._ops.packed_linear(rows, self.packed, self.bias, out)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
 
