@@ -59,6 +59,8 @@ class EngineConfig:
     sls_f: int = 8                        # admit a micro-batch every F steps
     sls_w_lim: int = 0                    # bound on total context in flight; 0 = derive
     sls_target_len: int = 0               # S of Algorithm 1; 0 = derive from requests
+    burst_gap_ms: float = 5.0             # an idle engine admits a burst together: it waits while requests
+    burst_window_ms: float = 1000.0       # arrive under burst_gap_ms apart, up to burst_window_ms; 0 = at once
 
     # observability
     trace_path: str = ""                  # JSON lines of per-step trace; "" = off
@@ -80,6 +82,10 @@ class EngineConfig:
         check(self.num_minibatches in (1, 2), "num_minibatches must be 1 or 2")
         check(self.sls_f >= 1, "sls_f must be >= 1")
         check(self.head_shards >= 1, "head_shards must be >= 1")
+        for name in ("burst_gap_ms", "burst_window_ms"):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                  and value >= 0, f"{name} must be a finite number of milliseconds >= 0, got {value!r}")
         check(bool(self.rworker_tls_cert) == bool(self.rworker_tls_key),
               "rworker_tls_cert and rworker_tls_key go together (mutual TLS)")
         check(not self.rworker_tls_cert or bool(self.rworker_tls_ca),

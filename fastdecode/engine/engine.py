@@ -241,10 +241,30 @@ class Engine:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            hold = self._burst_hold()
+            if hold > 0:
+                self._wake.wait(hold)
+                self._wake.clear()
+                continue
             try:
                 self.step()
             except Exception:
                 return           # step() has marked us unhealthy and ended every request
+
+    def _burst_hold(self) -> float:
+        """Seconds an idle engine waits before its first prefill: while requests keep arriving less
+        than burst_gap_ms apart (clients opening streams at once), for at most burst_window_ms after
+        the first, or until a batch's worth waits. Prefilled as they came, the early ones' steps
+        took the cores the later ones needed to arrive, and a burst trickled in over many steps."""
+        gap, window = self.config.burst_gap_ms / 1e3, self.config.burst_window_ms / 1e3
+        if gap <= 0 or window <= 0 or self.requests.running:
+            return 0.0
+        with self.requests.lock:
+            waiting = self.requests.waiting
+            if not waiting or len(waiting) >= self.config.max_running:
+                return 0.0
+            first, last = waiting[0].arrival, waiting[-1].arrival
+        return max(0.0, min(last + gap, first + window) - time.monotonic())
 
     def stop(self) -> None:
         """Stop the loop; requests still in flight end as cancelled; the backend shuts down."""
