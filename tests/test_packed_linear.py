@@ -1,6 +1,9 @@
 """Linear layers on packed weights (fastdecode/model/packed.py, csrc/spart/packed_gemm.cpp)
 against F.linear, their reference: the same products, a row's result independent of the call's
 row count, and garbage refused with a clear error."""
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,6 +79,52 @@ def test_fp32_pack_linears_replaces_the_layers_and_keeps_the_state_dict():
     assert all(isinstance(model[i], PackedLinear) for i in (0, 2))
     assert set(model.state_dict()) == keys
     torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+
+
+PACKABLE = [pytest.param(torch.float32, marks=mkl, id="fp32"),
+            pytest.param(torch.bfloat16, id="bf16",
+                         marks=pytest.mark.skipif(not packing_supported(torch.bfloat16, "cpu"), reason="no oneDNN bf16"))]
+
+
+@pytest.mark.parametrize("dtype", PACKABLE)
+def test_pack_linears_holds_a_weight_once_and_gives_it_back_exactly(dtype):
+    """fp32: pack_linears drops the plain weight. bf16 layers keep it (pack_linears); unpacking
+    still gives it back exactly."""
+    model = nn.Sequential(linear(64, 32, dtype=dtype), linear(16, 64, bias=True, dtype=dtype))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    originals = [weakref.ref(model[i].weight) for i in (0, 1)]
+    x = torch.randn(5, 32).to(dtype)
+    want = model(x)
+    if dtype == torch.float32:
+        assert pack_linears(model) == 2
+    else:
+        model = nn.Sequential(*(PackedLinear(model[i], keep_weight=False) for i in (0, 1)))
+    gc.collect()
+    assert all(ref() is None for ref in originals)            # the unpacked weights are gone
+    assert all("weight" not in model[i]._parameters for i in (0, 1))
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert torch.equal(model[1].weight, before["1.weight"])
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+    model[0].weight = before["0.weight"]                      # assigning keeps it again
+    assert "weight" in model[0]._parameters and model[0].weight.data_ptr() == before["0.weight"].data_ptr()
+    with pytest.raises(TypeError):
+        model[0].weight = "not a tensor"
+
+
+@pytest.mark.parametrize("dtype", PACKABLE)
+def test_a_tied_weight_stays_shared_and_bf16_keeps_its_weights(dtype):
+    embed = nn.Embedding(40, 16, dtype=dtype).requires_grad_(False)
+    head = linear(40, 16, dtype=dtype)
+    head.weight = embed.weight
+    model = nn.ModuleDict({"embed": embed, "head": head})
+    assert pack_linears(model) == 1
+    assert model["head"]._parameters["weight"] is model["embed"].weight
+    x = torch.randn(3, 16).to(dtype)
+    torch.testing.assert_close(model["head"](x), F.linear(x, embed.weight), rtol=1e-5, atol=1e-5)
+    alone = nn.Sequential(linear(8, 4, dtype=dtype))
+    pack_linears(alone)
+    assert ("weight" in alone[0]._parameters) == (dtype == torch.bfloat16)
 
 
 def test_packing_is_only_for_cpu_bf16_and_fp32():

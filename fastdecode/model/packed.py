@@ -7,6 +7,13 @@ the same library on the same packed weight: in bf16 the products are bit-identic
 they equal F.linear's but for the summation order of long rows (1e-6 relative), and a row's
 result no longer depends on how many rows share the call. Applied to the model as a function,
 like quantization in gpt-fast: the model code itself stays a plain Llama.
+
+In fp32, pack_linears keeps only the packed copy of a weight no other module shares (a tied LM
+head keeps the embedding's): the model then holds its weights once. Whoever reads such a weight
+(`layer.weight`, `state_dict()`) gets it back from the packed copy, exactly: the product of the
+identity with the packed weight, each element one product by 1 among exact zeros. bf16 layers
+keep both: oneDNN's packed product has no `out`, and the LM head writes its logits into a kept
+buffer through the plain weight (a fresh buffer at each step was faulted in page by page).
 """
 from __future__ import annotations
 
@@ -36,12 +43,12 @@ def packing_supported(dtype: torch.dtype, device: str) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear's forward on a packed weight; `weight` stays for state_dict readers."""
+    """nn.Linear's forward on a packed weight. With keep_weight the layer also holds `weight`;
+    without, `weight` and `state_dict()` unpack it when read."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = 64) -> None:
+    def __init__(self, linear: nn.Linear, batch_hint: int = 64, keep_weight: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
         self.bias = linear.bias
         self.dtype = linear.weight.dtype
         w = linear.weight.detach()
@@ -49,6 +56,29 @@ class PackedLinear(nn.Module):
         packed = (torch.ops.mkldnn._reorder_linear_weight(w, batch_hint) if self._ops is None
                   else self._ops.pack_linear_weight(w))
         self.register_buffer("packed", packed, persistent=False)
+        if keep_weight:
+            self._parameters["weight"] = linear.weight    # (register_parameter would read the property)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        kept = self._parameters.get("weight")
+        return kept if kept is not None else self.unpacked_weight()
+
+    @weight.setter
+    def weight(self, value: torch.Tensor) -> None:
+        if not isinstance(value, nn.Parameter):
+            value = nn.Parameter(value, requires_grad=False)
+        self._parameters["weight"] = value
+
+    def unpacked_weight(self) -> torch.Tensor:
+        """The weight [out_features, in_features], computed from the packed copy."""
+        eye = torch.eye(self.in_features, dtype=self.dtype)
+        return self._packed_product(eye, None).t().contiguous()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if "weight" not in self._parameters:
+            destination[prefix + "weight"] = self.unpacked_weight()
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight.T + bias, into `out` (rows x out_features, contiguous rows) when given."""
@@ -56,21 +86,33 @@ class PackedLinear(nn.Module):
             y = F.linear(x, self.weight, self.bias)
             return y if out is None else out.copy_(y)
         if self.dtype == torch.bfloat16:
-            if out is not None and self.bias is None:
+            if out is not None and self.bias is None and "weight" in self._parameters:
                 return torch.matmul(x, self.weight.t(), out=out)
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            y = self._packed_product(x, self.bias)
             return y if out is None else out.copy_(y)
         rows = x.reshape(-1, self.in_features)
         y = self._ops.packed_linear(rows, self.packed, self.bias, out)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
+    def _packed_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.dtype == torch.bfloat16:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return self._ops.packed_linear(x, self.packed, bias)
+
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every CPU nn.Linear of `model` whose dtype packs (bf16, fp32) by a PackedLinear; returns how many."""
+    """Replace every CPU nn.Linear of `model` whose dtype packs (bf16, fp32) by a PackedLinear; in
+    fp32 it holds only the packed weight unless another module shares that weight. Returns how many."""
+    uses: dict[int, int] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                uses[id(p)] = uses.get(id(p), 0) + 1
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and packing_supported(child.weight.dtype, child.weight.device.type):
-                setattr(parent, name, PackedLinear(child))
+                keep = child.weight.dtype == torch.bfloat16 or uses.get(id(child.weight), 0) > 1
+                setattr(parent, name, PackedLinear(child, keep_weight=keep))
                 count += 1
     return count
