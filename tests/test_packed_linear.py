@@ -106,6 +106,8 @@ def test_pack_linears_holds_a_weight_once_and_gives_it_back_exactly(dtype):
     assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
     assert torch.equal(model[1].weight, before["1.weight"])
     torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+    for rows in (1, 7, 32, 5000):                              # unpacked a few input channels at a time
+        assert torch.equal(model[1].unpacked_weight(rows), before["1.weight"])
     model[0].weight = before["0.weight"]                      # assigning keeps it again
     assert "weight" in model[0]._parameters and model[0].weight.data_ptr() == before["0.weight"].data_ptr()
     with pytest.raises(TypeError):

@@ -70,10 +70,17 @@ class PackedLinear(nn.Module):
             value = nn.Parameter(value, requires_grad=False)
         self._parameters["weight"] = value
 
-    def unpacked_weight(self) -> torch.Tensor:
-        """The weight [out_features, in_features], computed from the packed copy."""
-        eye = torch.eye(self.in_features, dtype=self.dtype)
-        return self._packed_product(eye, None).t().contiguous()
+    def unpacked_weight(self, rows: int = 1024) -> torch.Tensor:
+        """The weight [out_features, in_features], computed from the packed copy `rows` input
+        channels at a time (the identity's rows: a whole one would be in_features squared)."""
+        k = self.in_features
+        weight = torch.empty(self.out_features, k, dtype=self.dtype)
+        for i in range(0, k, rows):
+            n = min(rows, k - i)
+            eye = torch.zeros(n, k, dtype=self.dtype)
+            eye.diagonal(offset=i).fill_(1)
+            weight[:, i:i + n] = self._packed_product(eye, None).t()
+        return weight
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
