@@ -17,6 +17,8 @@ buffer through the plain weight (a fresh buffer at each step was faulted in page
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -110,16 +112,12 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Replace every CPU nn.Linear of `model` whose dtype packs (bf16, fp32) by a PackedLinear; in
     fp32 it holds only the packed weight unless another module shares that weight. Returns how many."""
-    uses: dict[int, int] = {}
-    for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None:
-                uses[id(p)] = uses.get(id(p), 0) + 1
+    uses = Counter(id(p) for module in model.modules() for p in module._parameters.values() if p is not None)
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and packing_supported(child.weight.dtype, child.weight.device.type):
-                keep = child.weight.dtype == torch.bfloat16 or uses.get(id(child.weight), 0) > 1
+                keep = child.weight.dtype == torch.bfloat16 or uses[id(child.weight)] > 1
                 setattr(parent, name, PackedLinear(child, keep_weight=keep))
                 count += 1
     return count
