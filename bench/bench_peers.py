@@ -20,7 +20,9 @@ output. Every streamed output is timestamped: TTFT per request, and the gap betw
 
 The peers stay up, idle, for the whole run, and each (seq_len, batch) runs on every peer in turn:
 this VM's speed drifts by up to 1.5x over minutes, and peers compared at one batch are then
-measured minutes apart at most. A peer whose run takes longer than --run-timeout-s, or fails,
+measured minutes apart at most. At the shortest length, batches up to --repeat-up-to (128) run
+--repeats (3) rounds of every peer in turn, and each peer's row is its median run (its row lists
+every run's tokens/s): one run at 32 moves by a quarter here. A peer whose run takes longer than --run-timeout-s, or fails,
 stops growing its batch at that length. With --grow-to (make bench-peers: 4096), past the last
 of --batches at the shortest length, each peer's batch doubles until a run fails, takes too
 long, or adds under 5% tokens/s over the batch before: the largest batch each peer reached, and
@@ -469,11 +471,25 @@ def largest(rows: list[dict], seq_len: int, why: str) -> dict:
     return {"batch": max(done, default=None), "why": why}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """One row for repeated runs of a peer at one (seq_len, batch): the run of median tokens/s (the
+    lower of the two middle ones for an even count), with every run's tokens/s beside it; the first
+    failed or over-long run instead, as no repeat runs after it."""
+    bad = next((r for r in runs if run_stop(r) is not None), None)
+    if bad is not None or len(runs) == 1:
+        return bad or runs[0]
+    tps = [r["tokens_per_s"] for r in runs]
+    middle = statistics.median_low(tps)
+    return {**runs[tps.index(middle)], "repeats_tokens_per_s": [round(t, 3) for t in tps]}
+
+
 def run_plan(live: list, report: dict, plan: list[tuple[int, int]], grow_to: int, timeout_s: float,
-             work, save) -> None:
-    """Run every (seq_len, batch) of the plan on each live peer in turn. After the plan's last batch
-    at the shortest length, each peer's batch doubles until growth_stop says why not; a peer whose run
-    fails or takes too long stops at that length anyway. Records each peer's `largest` per length."""
+             work, save, repeats: int = 1, repeat_up_to: int = 0) -> None:
+    """Run every (seq_len, batch) of the plan on each live peer in turn. At the shortest length, a
+    batch up to `repeat_up_to` runs `repeats` rounds of every peer in turn, and each peer's row is
+    its median run (median_run). After the plan's last batch at the shortest length, each peer's
+    batch doubles until growth_stop says why not; a peer whose run fails or takes too long stops at
+    that length anyway. Records each peer's `largest` per length."""
     seq_lens = sorted({L for L, _ in plan})
     last = max(b for L, b in plan if L == seq_lens[0])
     stopped: dict[tuple[str, int], str] = {}     # (peer, seq_len) -> why its batch grows no more
@@ -483,12 +499,20 @@ def run_plan(live: list, report: dict, plan: list[tuple[int, int]], grow_to: int
             not hasattr(peer, "runs") or peer.runs(seq_len, batch, seq_lens[0]))
 
     def run_all(seq_len: int, batch: int, growing: bool) -> None:
+        rounds = repeats if seq_len == seq_lens[0] and batch <= repeat_up_to else 1
+        done: dict[str, list[dict]] = {}
+        for _ in range(rounds):
+            for peer in live:
+                if not runs(peer, seq_len, batch) or any(run_stop(r) for r in done.get(peer.name, [])):
+                    continue
+                done.setdefault(peer.name, []).append(timed_run(peer, work(seq_len, batch), seq_len, batch,
+                                                                timeout_s))
         for peer in live:
-            if not runs(peer, seq_len, batch):
+            if peer.name not in done:
                 continue
             rows = report["peers"][peer.name]["rows"]
             prev = next((r for r in rows if r.get("seq_len") == seq_len and r["batch"] == batch // 2), None)
-            row = timed_run(peer, work(seq_len, batch), seq_len, batch, timeout_s)
+            row = median_run(done[peer.name])
             rows.append(row)
             why = growth_stop(prev, row, grow_to) if growing else run_stop(row)
             if why is not None:
@@ -531,6 +555,10 @@ def main(argv=None) -> int:
     p.add_argument("--grow-to", type=int, default=0,
                    help="past the last of --batches, double each peer's batch up to this (0: no growth; "
                         "make bench-peers: 4096)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds of every peer at each batch up to --repeat-up-to (shortest length); "
+                        "each peer's row is its median run")
+    p.add_argument("--repeat-up-to", type=int, default=128, help="the largest batch that is repeated")
     p.add_argument("--hf-dtype", default="", help="float32 | bfloat16; default: the faster in a probe")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="EngineConfig setting for triton and engine (default: none, as `make serve`)")
@@ -547,6 +575,8 @@ def main(argv=None) -> int:
         p.error("sequence lengths and batches must be >= 1")
     if a.grow_to < 0:
         p.error(f"--grow-to must be >= 0, got {a.grow_to}")
+    if a.repeats < 1 or a.repeat_up_to < 0:
+        p.error(f"--repeats must be >= 1 and --repeat-up-to >= 0, got {a.repeats} and {a.repeat_up_to}")
     plan = [(seq_lens[0], b) for b in batches]
     plan += [(s, b) for s in seq_lens[1:] for b in long_batches]
 
@@ -566,7 +596,9 @@ def main(argv=None) -> int:
               "engine_config": {k: v for k, v in vars(config).items() if k != "rworker_token"},
               "workload": "B requests at once; 'Request i: write a short story about <topic>.'; greedy, "
                           "ignore_eos, seq_len - prompt tokens new tokens each",
-              "order": "per (seq_len, batch), every peer in turn (all stay up, idle, between their runs)",
+              "order": "per (seq_len, batch), every peer in turn (all stay up, idle, between their runs); "
+                       f"{a.repeats} rounds of that at the shortest length up to batch {a.repeat_up_to}, "
+                       "each peer's row its median run",
               "peers": {}}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -598,7 +630,8 @@ def main(argv=None) -> int:
                 report["peers"][name] = {**peer.info, "rows": []}
             live = [peer for peer in peers if "error" not in report["peers"][peer.name]]
             run_plan(live, report, plan, a.grow_to, a.run_timeout_s, work,
-                     save=lambda: out.write_text(json.dumps(report, indent=1) + "\n"))
+                     save=lambda: out.write_text(json.dumps(report, indent=1) + "\n"),
+                     repeats=a.repeats, repeat_up_to=a.repeat_up_to)
         finally:
             for peer in peers:
                 peer.close()

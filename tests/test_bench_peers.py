@@ -102,7 +102,39 @@ def test_run_plan_without_growth_runs_the_plan_alone():
         "batch": 8, "why": "the last of --batches; --grow-to 0 allows no doubling"}
 
 
-@pytest.mark.parametrize("args", [["--grow-to", "-1"], ["--grow-to", "many"], ["--batches", "1,x"],
+def test_repeated_batches_keep_each_peers_median_run_and_every_runs_figure():
+    calls = []
+
+    class Drifting(FakePeer):
+        def run(self, work, seq_len):
+            calls.append((self.name, len(work)))
+            row = super().run(work, seq_len)
+            return {**row, "tokens_per_s": row["tokens_per_s"] * (1.0, 1.3, 0.8)[
+                sum(1 for n, b in calls if n == self.name and b == len(work)) - 1], "ttft_p50_s": len(calls)}
+
+    peers = [Drifting("a", lambda b: float(b)), Drifting("b", lambda b: 2.0 * b, fail_at=128)]
+    report = {"peers": {p.name: {"rows": []} for p in peers}}
+    bench_peers.run_plan(peers, report, [(128, 32), (128, 128), (128, 512), (1024, 8)], grow_to=0, timeout_s=60,
+                         work=lambda L, b: [("x", 1)] * b, save=lambda: None, repeats=3, repeat_up_to=128)
+    assert calls[:6] == [("a", 32), ("b", 32)] * 3                       # rounds of every peer in turn
+    assert calls[6:] == [("a", 128), ("b", 128), ("a", 128), ("a", 128), ("a", 512), ("a", 8), ("b", 8)]
+    a = {r["batch"]: r for r in report["peers"]["a"]["rows"]}
+    assert a[32]["tokens_per_s"] == 32.0 and a[32]["repeats_tokens_per_s"] == [32.0, 41.6, 25.6]
+    assert a[32]["ttft_p50_s"] == 1                                      # the median run's own row
+    assert "repeats_tokens_per_s" not in a[512] and "repeats_tokens_per_s" not in a[8]
+    b = report["peers"]["b"]["rows"]
+    assert [r["batch"] for r in b] == [32, 128, 8] and "MemoryError" in b[1]["error"]  # no repeat after a failure
+    assert bench_peers.ratios(report["peers"], 128) == {}                 # no triton/hf in this report
+
+
+def test_median_run_of_an_even_count_is_the_lower_middle():
+    runs = [{"tokens_per_s": t} for t in (4.0, 1.0, 3.0, 2.0)]
+    assert bench_peers.median_run(runs) == {"tokens_per_s": 2.0, "repeats_tokens_per_s": [4.0, 1.0, 3.0, 2.0]}
+    assert bench_peers.median_run(runs[:1]) == {"tokens_per_s": 4.0}
+
+
+@pytest.mark.parametrize("args", [["--repeats", "0"], ["--repeats", "x"], ["--repeat-up-to", "-1"],
+                                  ["--grow-to", "-1"], ["--grow-to", "many"], ["--batches", "1,x"],
                                   ["--batches", "0,8"], ["--seq-lens", ""], ["--long-batches", "-8"],
                                   ["--openai-batches", "32,big"], ["--openai-batches", "0"]])
 def test_bad_arguments_are_refused_before_anything_starts(args, capsys):
