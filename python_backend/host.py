@@ -13,7 +13,7 @@ drains again; the server then takes several responses per wake-up. Each send cos
 same whatever it carries, so under load a response carries `stream_interval` tokens (auto: one
 while at most AUTO_STREAMS requests are in flight, then twice as many for every twice as many
 requests, so that a step sends about AUTO_STREAMS responses: 2 up to 32, 4 up to 64, 8 beyond); a
-request's first token and its last output go out at once, and no token waits longer than
+request's first token (even one of no text yet) and its last output go out at once, and no token waits longer than
 `max_hold_s`. The sender thread polls each
 live request's `is_cancelled()` (the client cancelled its gRPC stream) and aborts it in the
 engine, which frees its KV at once; pushes metrics; and watches `engine.healthy`: once the
@@ -59,7 +59,7 @@ class Live:
     siblings: list["Live"] | None = None      # all n choices of the Triton request, when n > 1
     lane: int = 0             # the send thread of the Triton request (its choices share it)
     first_token: float | None = None
-    responded: bool = False   # a response with tokens went out (a first token of no text sends none)
+    responded: bool = False   # a response with tokens went out
     accepted: bool = False    # every choice is in the engine; until then submit() may still refuse it
     cancelled: bool = False
     done: bool = False
@@ -260,7 +260,7 @@ class EngineHost:
                 self.metrics.first_token(now - live.arrival, out.num_prompt_tokens)
         if self.metrics is not None:
             self.metrics.tokens(len(out.token_ids))
-        outputs, error = live.builder.on_output(out, live.choice)
+        outputs, error = live.builder.on_output(out, live.choice, first=not live.responded)
         final = live.builder.done
         if out.finished:
             self._finish(live)

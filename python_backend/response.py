@@ -7,8 +7,10 @@ JSON list with one entry per token of the response, {"token_id", "logprob", "top
 raw distribution, -inf written as -9999.0; prompt_logprobs (STRING) only when sampling_parameters
 has "prompt_logprobs", on the first response of each choice: the same entries, one per prompt
 token, the first with "logprob" null and no "top_logprobs". Streaming: one response per text delta
-(the engine never splits a UTF-8 character, so neither do we); num_output_tokens counts the tokens
-since the previous response. Not streaming: one response with the whole text (prompt first unless
+(the engine never splits a UTF-8 character, so neither do we), except that a choice's first
+token goes out at once even with no text yet (a special token, half a character): text_output
+empty, its token counted, so that the client sees its first token when the engine has it;
+num_output_tokens counts the tokens since the previous response. Not streaming: one response with the whole text (prompt first unless
 exclude_input_in_output) and the total token count. With "n" in sampling_parameters, every tensor
 holds n elements, one per choice.
 """
@@ -47,8 +49,9 @@ class ResponseBuilder:
         """The request's final response has been produced: every choice finished, or one failed."""
         return self.failed or all(r is not None for r in self.reasons)
 
-    def on_output(self, out, i: int = 0) -> tuple[Outputs | None, ErrorInfo | None]:
-        """(outputs, error) to send now; (None, None) = nothing to send yet."""
+    def on_output(self, out, i: int = 0, first: bool = False) -> tuple[Outputs | None, ErrorInfo | None]:
+        """(outputs, error) to send now; (None, None) = nothing to send yet. first: no response of
+        choice i has gone out, and a streamed one goes out now whatever text `out` has."""
         self.pending_tokens[i] += len(out.token_ids)
         if self.logprobs is not None:
             self.logprobs[i] += [_logprob_entry(lp) for lp in getattr(out, "logprobs", None) or ()]
@@ -63,7 +66,7 @@ class ResponseBuilder:
             self.reasons[i], self.num_output[i] = out.finish_reason, out.num_output_tokens
         n = self.request.n
         if self.request.stream:
-            if not out.text and not out.finished:
+            if not out.text and not out.finished and not (first and out.token_ids):
                 return None, None            # no complete character yet; its tokens count in the next delta
             texts, reasons, counts = [""] * n, [""] * n, [0] * n
             texts[i], reasons[i], counts[i] = out.text, out.finish_reason if out.finished else "", self.pending_tokens[i]

@@ -38,14 +38,30 @@ def test_hold_follows_the_last_arrival_and_ends_at_the_window(engine):
     assert engine._burst_hold() == 0.0                         # window over: admit now
 
 
-def test_no_hold_once_a_batch_waits_or_while_the_engine_runs(engine):
+def test_no_hold_once_a_batch_waits_or_would_run(engine):
     for i in range(4):                                         # max_running of them: a full batch
         engine.add_request(f"p{i}", GREEDY)
     assert engine._burst_hold() == 0.0
     engine.step()                                              # all four prefilled, now running
     assert len(engine.requests.running) == 4
     engine.add_request("late", GREEDY)
-    assert engine._burst_hold() == 0.0                         # a busy engine admits at its next step
+    assert engine._burst_hold() == 0.0                         # no room: admitted when a slot frees
+
+
+def test_a_burst_that_began_with_a_running_request_is_waited_for_but_older_requests_never_wait(tiny_model_dir):
+    e = make_engine(tiny_model_dir, burst_gap_ms=1000, burst_window_ms=5000, max_running=8)
+    try:
+        e.add_request("first", GREEDY)
+        e.step()                                               # prefilled alone (the rest came late)
+        assert len(e.requests.running) == 1
+        e.add_request("second", GREEDY)
+        assert 0.5 < e._burst_hold() <= 1.0                    # the same burst: wait for the rest
+        e.requests.running[0].arrival -= 4.5
+        assert 0.2 < e._burst_hold() <= 0.5                    # ... until the window after the first
+        e.requests.running[0].arrival -= 1.0
+        assert e._burst_hold() == 0.0                          # a request decoding for longer never waits
+    finally:
+        e.stop()
 
 
 @pytest.mark.parametrize("settings", [dict(burst_gap_ms=0), dict(burst_window_ms=0)])

@@ -61,27 +61,41 @@ def test_a_fixed_interval_sends_the_first_token_alone_then_groups_and_the_rest_a
         host.shutdown()
 
 
-def test_when_the_first_token_has_no_text_the_first_that_has_goes_out_at_once():
-    """A first token of no text (a special token, half a character) sends no response; the next
-    output must not then wait for a full interval: the client has seen nothing yet."""
+def test_a_first_token_of_no_text_goes_out_at_once_as_an_empty_response_that_counts_it():
+    """A first token of no text (a special token, half a character) still goes out at once: the
+    client sees its first token when the engine has it (TTFT), and the token is counted there."""
     host, engine, transport = make_host(stream_interval=8)
     try:
         (rid,), = submit_streams(host, engine, ["s"])
         engine.callbacks[rid](out(rid, [1], "", n=1))
         settle(host)
-        assert sent_by(transport, "s") == []
+        assert sent_by(transport, "s") == [("", False)]
         engine.callbacks[rid](out(rid, [2], "a", n=2))
-        settle(host)
-        assert sent_by(transport, "s") == [("a", False)]
         for i in range(3, 6):
             engine.callbacks[rid](out(rid, [i], "b", n=i))
         settle(host)
-        assert sent_by(transport, "s") == [("a", False)]          # then responses carry 8 tokens again
+        assert sent_by(transport, "s") == [("", False)]            # then responses carry 8 tokens again
         engine.callbacks[rid](out(rid, [6], "c", True, "length", n=6))
         wait_finals(transport, 1)
-        assert sent_by(transport, "s") == [("a", False), ("bbbc", True)]
+        assert sent_by(transport, "s") == [("", False), ("abbbc", True)]
     finally:
         host.shutdown()
+
+
+def test_the_builder_counts_a_first_token_of_no_text_in_its_empty_response_and_sends_no_token_for_nothing():
+    from python_backend.request import GenerateRequest
+    from python_backend.response import ResponseBuilder
+
+    request = GenerateRequest("p", stream=True, return_num_output_tokens=True)
+    b = ResponseBuilder(request)
+    assert b.on_output(out("r", [], "", n=0), first=True) == (None, None)         # no token yet: nothing to send
+    sent, error = b.on_output(out("r", [1], "", n=1), first=True)
+    assert error is None and sent["text_output"].tolist() == [b""] and sent["num_output_tokens"].tolist() == [1]
+    assert b.on_output(out("r", [2], "", n=2)) == (None, None)                  # later: only text goes out
+    sent, _ = b.on_output(out("r", [3], "ab", n=3))
+    assert sent["text_output"].tolist() == [b"ab"] and sent["num_output_tokens"].tolist() == [2]
+    whole = ResponseBuilder(GenerateRequest("p", return_num_output_tokens=True))
+    assert whole.on_output(out("r", [1], "", n=1), first=True) == (None, None)  # not streamed: one response at the end
 
 
 def test_auto_streams_every_token_up_to_its_threshold_and_pairs_beyond():

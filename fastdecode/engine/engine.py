@@ -252,18 +252,21 @@ class Engine:
                 return           # step() has marked us unhealthy and ended every request
 
     def _burst_hold(self) -> float:
-        """Seconds an idle engine waits before its first prefill: while requests keep arriving less
-        than burst_gap_ms apart (clients opening streams at once), for at most burst_window_ms after
-        the first, or until a batch's worth waits. Prefilled as they came, the early ones' steps
-        took the cores the later ones needed to arrive, and a burst trickled in over many steps."""
+        """Seconds the engine waits before its next step while a burst is arriving: requests keep
+        coming less than burst_gap_ms apart, every request it holds came at most burst_window_ms
+        ago (so nothing that was already decoding waits), and less than a batch's worth is there.
+        Prefilled as they came, the early ones' steps took the cores the later ones needed to
+        arrive, and a burst trickled in over many steps. Through Triton a burst's second request
+        came 5-6 ms after its first: the first, prefilled alone, then waits for the rest."""
         gap, window = self.config.burst_gap_ms / 1e3, self.config.burst_window_ms / 1e3
-        if gap <= 0 or window <= 0 or self.requests.running:
+        if gap <= 0 or window <= 0:
             return 0.0
         with self.requests.lock:
-            waiting = self.requests.waiting
-            if not waiting or len(waiting) >= self.config.max_running:
+            waiting, running = self.requests.waiting, self.requests.running
+            if not waiting or len(waiting) + len(running) >= self.config.max_running:
                 return 0.0
-            first, last = waiting[0].arrival, waiting[-1].arrival
+            first = min([waiting[0].arrival] + [s.arrival for s in running])
+            last = waiting[-1].arrival
         return max(0.0, min(last + gap, first + window) - time.monotonic())
 
     def stop(self) -> None:
