@@ -147,10 +147,16 @@ async def _events(run: Run, fmt: CompletionFormat, req: SamplingRequest):
         heads = [h for h in (fmt.head(i) for i in range(len(run.gens))) if h is not None]
         if heads:
             yield sse(fmt.chunk(heads, None, usage))
+        held: dict[int, list[dict]] = {}      # logprobs of a choice's tokens of no text: sent with its next text
         async for i, chunk in run.events():
+            logprobs = chunk.logprobs
+            if i in held and logprobs is not None:
+                logprobs = held.pop(i) + logprobs
             if chunk.text or chunk.finish_reason or chunk.prompt_logprobs is not None:
-                yield sse(fmt.chunk([fmt.delta(i, chunk.text, chunk.finish_reason, chunk.logprobs,
+                yield sse(fmt.chunk([fmt.delta(i, chunk.text, chunk.finish_reason, logprobs,
                                                chunk.prompt_logprobs)], None, usage))
+            elif logprobs:
+                held[i] = logprobs
         if usage:
             yield sse(fmt.chunk([], fmt.usage(run.usage(req.n)), True))
         yield DONE
