@@ -22,8 +22,8 @@ The peers stay up, idle, for the whole run, and each (seq_len, batch) runs on ev
 this VM's speed drifts by up to 1.5x over minutes, and peers compared at one batch are then
 measured minutes apart at most. At the shortest length, batches up to --repeat-up-to (128) run
 --repeats (3) rounds of every peer in turn, and each peer's row is its median run (its row lists
-every run's tokens/s): one run at 32 moves by a quarter here. A peer whose run takes longer than --run-timeout-s, or fails,
-stops growing its batch at that length. With --grow-to (make bench-peers: 4096), past the last
+every run's tokens/s): one run at 32 moves by a quarter here. A peer whose run takes longer than
+--run-timeout-s, or fails, stops growing its batch at that length. With --grow-to (make bench-peers: 4096), past the last
 of --batches at the shortest length, each peer's batch doubles until a run fails, takes too
 long, or adds under 5% tokens/s over the batch before: the largest batch each peer reached, and
 why it stopped there, go in the JSON (`largest`). Writes bench/results/peers.json (ratios, CPU
