@@ -14,10 +14,11 @@ same whatever it carries, so under load a response carries `stream_interval` tok
 while at most AUTO_STREAMS requests are in flight, then twice as many for every twice as many
 requests, so that a step sends about AUTO_STREAMS responses: 2 up to 32, 4 up to 64, 8 beyond); a
 request's first token (even one of no text yet) and its last output go out at once, and no token
-waits longer than `max_hold_s`. The sender thread polls each live request's `is_cancelled()` (the client cancelled its gRPC stream) and aborts it in the
-engine, which frees its KV at once; pushes metrics; and watches `engine.healthy`: once the
-engine loop has crashed, every live request ends with an error, new ones are refused, and the
-model unloads itself so that Triton reports it not ready.
+waits longer than `max_hold_s`. The sender thread polls each live request's `is_cancelled()`
+(the client cancelled its gRPC stream) and aborts it in the engine, which frees its KV at once;
+pushes metrics; and watches `engine.healthy`: once the engine loop has crashed, every live
+request ends with an error, new ones are refused, and the model unloads itself so that Triton
+reports it not ready.
 
 The Triton side is behind `Transport` (pb_model.PbTransport in Triton, a fake in tests).
 """
