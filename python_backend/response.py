@@ -10,8 +10,8 @@ token, the first with "logprob" null and no "top_logprobs". Streaming: one respo
 (the engine never splits a UTF-8 character, so neither do we), except that a choice's first
 token goes out at once even with no text yet (a special token, half a character): text_output
 empty, its token counted, so that the client sees its first token when the engine has it;
-num_output_tokens counts the tokens since the previous response. Not streaming: one response with the whole text (prompt first unless
-exclude_input_in_output) and the total token count. With "n" in sampling_parameters, every tensor
+num_output_tokens counts the tokens since the previous response. Not streaming: one response
+with the whole text (prompt first unless exclude_input_in_output) and the total token count. With "n" in sampling_parameters, every tensor
 holds n elements, one per choice.
 """
 from __future__ import annotations
