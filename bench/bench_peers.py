@@ -141,13 +141,14 @@ def run_triton(server, work: list[tuple[str, int]], seq_len: int) -> dict:
 
 
 def run_openai(url: str, model: str, work: list[tuple[str, int]], seq_len: int) -> dict:
-    """Streamed /v1/completions: an SSE chunk with text counts one token; the usage chunk at the
-    end adds what chunks carried beyond that (a held-back UTF-8 character merges two)."""
+    """Streamed /v1/completions with the usage so far on every chunk (`continuous_usage_stats`):
+    a chunk counts the tokens its usage added, so that a chunk of several tokens spreads its gap
+    over them as a Triton response does."""
     import httpx
 
     async def one(c, i: int, text: str, new: int, line: Timeline) -> None:
         body = {"model": model, "prompt": text, "max_tokens": new, "temperature": 0.0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
+                "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         counted = 0
         async with c.stream("POST", f"{url}/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -155,12 +156,10 @@ def run_openai(url: str, model: str, work: list[tuple[str, int]], seq_len: int) 
             async for raw in r.aiter_lines():
                 if not raw.startswith("data: ") or raw == "data: [DONE]":
                     continue
-                chunk = json.loads(raw[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    counted += 1
-                    line.add(f"r{i}", 1)
-                elif chunk.get("usage"):
-                    line.add(f"r{i}", max(0, chunk["usage"]["completion_tokens"] - counted))
+                usage = json.loads(raw[6:]).get("usage")
+                if usage and usage["completion_tokens"] > counted:
+                    line.add(f"r{i}", usage["completion_tokens"] - counted)
+                    counted = usage["completion_tokens"]
 
     async def run() -> dict:
         limits = httpx.Limits(max_connections=len(work) + 8, max_keepalive_connections=len(work) + 8)

@@ -142,11 +142,14 @@ async def _respond(triton: Triton, request: Request, req: SamplingRequest, fmt: 
 async def _events(run: Run, fmt: CompletionFormat, req: SamplingRequest):
     """The SSE body. Leaving it early (the client disconnected: Starlette cancels this generator)
     cancels every generation still running."""
-    usage = req.include_usage
+    usage, continuous = req.include_usage, req.continuous_usage
+
+    def so_far() -> dict | None:
+        return fmt.usage(run.usage(req.n)) if continuous else None
     try:
         heads = [h for h in (fmt.head(i) for i in range(len(run.gens))) if h is not None]
         if heads:
-            yield sse(fmt.chunk(heads, None, usage))
+            yield sse(fmt.chunk(heads, so_far(), usage))
         held: dict[int, list[dict]] = {}      # logprobs of a choice's tokens of no text: sent with its next text
         async for i, chunk in run.events():
             logprobs = chunk.logprobs
@@ -154,7 +157,7 @@ async def _events(run: Run, fmt: CompletionFormat, req: SamplingRequest):
                 logprobs = held.pop(i) + logprobs
             if chunk.text or chunk.finish_reason or chunk.prompt_logprobs is not None:
                 yield sse(fmt.chunk([fmt.delta(i, chunk.text, chunk.finish_reason, logprobs,
-                                               chunk.prompt_logprobs)], None, usage))
+                                               chunk.prompt_logprobs)], so_far(), usage))
             elif logprobs:
                 held[i] = logprobs
         if usage:

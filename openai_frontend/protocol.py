@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    continuous_usage_stats: bool = False     # vLLM's extension: with include_usage, every chunk carries the usage so far
 
 
 class SamplingRequest(BaseModel):
@@ -38,6 +39,10 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingRequest):

@@ -106,6 +106,18 @@ def test_streamed_completion_is_sse_chunks_with_usage(api):
     assert all(c["usage"] is None for c in chunks)
     assert last["choices"] == [] and last["usage"] == whole["usage"]
 
+    continuous = sse_events(api, "completions", {**request, "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    *chunks, last = continuous
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    generated = [c["usage"]["completion_tokens"] for c in chunks]
+    assert generated == sorted(generated) and 1 <= generated[0] and generated[-1] == 24
+    assert all(c["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"] for c in chunks)
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + n for c, n in zip(chunks, generated))
+    assert last["choices"] == [] and last["usage"] == whole["usage"]
+    without = sse_events(api, "completions", {**request, "stream": True, "stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in c for c in without)        # usage only with include_usage, as in vLLM
+
 
 def test_echo_prepends_the_prompt(api):
     request = {"model": NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
@@ -253,6 +265,11 @@ GARBAGE = [
     ("completions", {**GOOD, "min_tokens": 5}, 400, "min_tokens"),                  # more than max_tokens 2
     ("completions", {**GOOD, "model": "gpt-4"}, 404, "model"),
     ("completions", {**GOOD, "stream": "yes please"}, 400, "stream"),
+    ("completions", {**GOOD, "stream": True, "stream_options": "all"}, 400, "stream_options"),
+    ("completions", {**GOOD, "stream": True, "stream_options": {"include_usage": [1]}}, 400,
+     "stream_options.include_usage"),
+    ("completions", {**GOOD, "stream": True, "stream_options": {"continuous_usage_stats": "sometimes"}}, 400,
+     "stream_options.continuous_usage_stats"),
     ("completions", {**GOOD, "top_k": "x"}, 400, "top_k"),           # the engine's own check, relayed
     ("completions", {**GOOD, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("completions", {**GOOD, "logit_bias": {"x": 1}}, 400, "logit_bias"),
