@@ -1,8 +1,8 @@
 // fp32 linear layers on weights packed once by MKL (fastdecode/model/packed.py).
 // torch's fp32 F.linear on the CPU calls MKL's cblas_sgemm, which copies the weight into its
 // panel layout on every call; MKL's pack/compute pair does that copy once, at load. A row's
-// result does not depend on how many rows a call has (tests/test_packed_linear.py), so the
-// batch a sequence decodes in does not change its tokens.
+// result does not depend on how many rows a call has once they are 12 or more or a multiple of
+// 4 (tests/test_packed_linear.py); below, MKL on AMD sums in another order (1e-6 relative).
 // torch's CPU wheel carries MKL inside libtorch_cpu; its three entry points are looked up at
 // run time, so a torch without MKL still loads this module (available() is then false and the
 // model keeps F.linear).
