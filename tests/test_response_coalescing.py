@@ -191,3 +191,77 @@ def test_choices_of_one_request_share_a_send_thread_and_one_thread_sends_all_whe
             assert host.live_count() == 0
         finally:
             host.shutdown()
+
+
+class SteppingEngine(ManualEngine):
+    """ManualEngine with the engine's step hand-off: outputs emitted by the thread inside a step
+    wait for the end of the step (Engine.add_step_listener, Engine.stepping_thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self.listeners, self.stepping_thread = [], None
+
+    def add_step_listener(self, fn):
+        self.listeners.append(fn)
+
+    def run_step(self, emits):
+        self.stepping_thread = threading.get_ident()
+        for rid, o in emits:
+            self.callbacks[rid](o)
+        self.stepping_thread = None
+        for fn in self.listeners:
+            fn()
+
+
+def test_a_steps_outputs_reach_the_sender_when_the_step_ends_in_one_handoff():
+    engine, transport = SteppingEngine(), RecordingTransport(hold_s=0.0)
+    transport.gate.set()
+    host = EngineHost(engine, transport, make_params=lambda d: d, cancel_poll_s=60, metrics_interval_s=60,
+                      stream_interval=1)
+    puts, queue_ = [], host._outputs
+
+    class Recording:
+        def put(self, item):
+            puts.append(item)
+            queue_.put(item)
+
+        def __getattr__(self, name):
+            return getattr(queue_, name)
+    host._outputs = Recording()
+    try:
+        ids = [r[0] for r in submit_streams(host, engine, [f"s{i}" for i in range(6)])]
+        engine.stepping_thread = threading.get_ident()
+        for i, rid in enumerate(ids):
+            engine.callbacks[rid](out(rid, [i], "x", n=1))
+        time.sleep(0.2)
+        assert transport.sent == [] and puts == []       # nothing leaves before the step ends
+        engine.stepping_thread = None
+        for fn in engine.listeners:
+            fn()
+        with transport.cond:
+            assert transport.cond.wait_for(lambda: len(transport.sent) == 6, 30)
+        assert len(puts) == 1 and [o.request_id for o in puts[0]] == ids
+        engine.run_step([(rid, out(rid, [9], "y", True, "length", n=2)) for rid in ids])
+        with transport.cond:
+            assert transport.cond.wait_for(lambda: len(transport.sent) == 12, 30)
+        assert len(puts) == 2 and all(final for *_, final in transport.sent[6:])
+        assert host.live_count() == 0
+        engine.run_step([])                               # a step with no outputs hands nothing over
+        assert len(puts) == 2
+    finally:
+        host.shutdown()
+
+
+def test_outputs_emitted_outside_a_step_go_to_the_sender_at_once():
+    engine, transport = SteppingEngine(), RecordingTransport(hold_s=0.0)
+    transport.gate.set()
+    host = EngineHost(engine, transport, make_params=lambda d: d, cancel_poll_s=60, metrics_interval_s=60,
+                      stream_interval=1)
+    try:
+        (rid,), = submit_streams(host, engine, ["s0"])
+        threading.Thread(target=engine.callbacks[rid], args=(out(rid, [], "", True, "cancelled"),)).start()
+        with transport.cond:
+            assert transport.cond.wait_for(lambda: len(transport.sent) == 1, 30)
+        assert transport.sent[0][3] is True and host.live_count() == 0
+    finally:
+        host.shutdown()
