@@ -60,13 +60,15 @@ def test_shipped_config_builds_the_default_engine_config():
                                                  "logprobs", "prompt_logprobs"]
 
 
-def test_cli_rejects_garbage(capsys):
+def test_cli_rejects_garbage(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        serve.main(["start", "--run-dir", str(run_dir), "--param", "no-equals-sign"])
     with pytest.raises(SystemExit):
-        serve.main(["start", "--run-dir", "x", "--param", "no-equals-sign"])
-    with pytest.raises(SystemExit):
-        serve.main(["start", "--run-dir", "x", "--rworkers", "many"])
+        serve.main(["start", "--run-dir", str(run_dir), "--rworkers", "many"])
     with pytest.raises(SystemExit):
         serve.main(["launch"])
+    assert not run_dir.exists()                     # refused before anything was created
 
 
 def test_stop_without_a_server_is_harmless(tmp_path, capsys):

@@ -39,6 +39,7 @@ def _engine_parameters(args) -> dict[str, str]:
 
 
 def cmd_start(args) -> int:
+    params = _engine_parameters(args)       # bad input fails before anything is created
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     if (run_dir / "tritonserver.pid").exists():
@@ -46,7 +47,6 @@ def cmd_start(args) -> int:
         if alive(pid):
             print(f"tritonserver already runs (pid {pid}) with run dir {run_dir}; `make stop` first", file=sys.stderr)
             return 1
-    params = _engine_parameters(args)
     fleet = None
     if args.rworkers_at:
         params["rworkers"] = args.rworkers_at
