@@ -4,9 +4,7 @@ execute() calls `submit()` per request: it parses and validates the request, reg
 hands it to the engine (engine.add_request validates too) -- or answers at once with an error.
 It never waits for tokens. The engine's background loop calls `on_output` for every
 RequestOutput; a sender thread turns them into responses and sends them (the last one with the
-FINAL flag), so the engine loop never blocks on Triton. A step's outputs reach the sender
-together when the step ends (Engine.add_step_listener): one wake-up a step, not one a request,
-each of which would take a core from the engine's threads. A decoupled send is a synchronous round
+FINAL flag), so the engine loop never blocks on Triton. A decoupled send is a synchronous round
 trip to the Triton server process; with one send in flight at a time, every response wakes the
 server's threads on its own, and on a machine whose cores the engine keeps busy each wake-up
 takes one from the engine. So the sender hands the outputs it drained to `send_threads` threads,
@@ -99,10 +97,7 @@ class EngineHost:
         self._prefix = f"t{os.getpid()}-"
         self._live: dict[str, Live] = {}
         self._lock = threading.Lock()
-        self._outputs: queue.SimpleQueue = queue.SimpleQueue()    # outputs, and lists of a step's outputs
-        self._step_outputs: list = []      # this step's so far: only the stepping thread touches it
-        if hasattr(engine, "add_step_listener"):
-            engine.add_step_listener(self._step_done)
+        self._outputs: queue.SimpleQueue = queue.SimpleQueue()
         self._crashed_at: float | None = None
         self._thread = threading.Thread(target=self._run, name="fastdecode-sender", daemon=True)
         self._thread.start()
@@ -163,15 +158,7 @@ class EngineHost:
 
     # ---- engine loop side
     def on_output(self, out) -> None:
-        if getattr(self.engine, "stepping_thread", None) == threading.get_ident():
-            self._step_outputs.append(out)      # handed over whole when the step ends
-        else:
-            self._outputs.put(out)
-
-    def _step_done(self) -> None:
-        if self._step_outputs:
-            batch, self._step_outputs = self._step_outputs, []
-            self._outputs.put(batch)
+        self._outputs.put(out)
 
     # ---- sender thread
     def _run(self) -> None:
@@ -185,7 +172,7 @@ class EngineHost:
                 item = None
             if item is _STOP:
                 return
-            batch = [] if item is None else item if isinstance(item, list) else [item]
+            batch = [] if item is None else [item]
             while True:                               # drain what is there: one pass, many sends
                 try:
                     more = self._outputs.get_nowait()
@@ -194,10 +181,7 @@ class EngineHost:
                 if more is _STOP:
                     self._handle_all(batch)
                     return
-                if isinstance(more, list):
-                    batch += more
-                else:
-                    batch.append(more)
+                batch.append(more)
             self._handle_all(batch)
             now = time.monotonic()
             if now >= next_poll:

@@ -474,28 +474,3 @@ def test_small_decode_logits_come_from_the_model_lm_head(engine):
         engine.model.logits = real
     assert seen and not any(out for _, _, out in seen) and all(same for _, same, _ in seen)
     assert engine.runner._logits is None
-
-
-def test_step_listeners_run_after_each_step_and_see_its_outputs_delivered_on_the_stepping_thread(engine):
-    seen, ends = [], []
-
-    def on_output(out):
-        seen.append((out.request_id, engine.stepping_thread == threading.get_ident()))
-
-    def listener():
-        assert engine.stepping_thread is None
-        ends.append(len(seen))
-        raise RuntimeError("a failing listener is logged, not fatal")
-    engine.add_step_listener(listener)
-    for i in range(3):
-        engine.add_request([1, 2, 3], GREEDY, request_id=f"r{i}", on_output=on_output)
-    steps = 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    assert len(ends) == steps and ends == sorted(ends) and ends[-1] == len(seen)
-    assert len(seen) == 3 * GREEDY.max_tokens and all(inside for _, inside in seen)
-    assert engine.stepping_thread is None and engine.healthy
-    engine.add_request([1, 2, 3], GREEDY, request_id="late", on_output=on_output)
-    engine.abort("late")                                    # between steps: delivered on this thread, at once
-    assert seen[-1] == ("late", False)

@@ -82,8 +82,6 @@ class Engine:
                                       lambda: self._step, self.postprocessor.finish)
         self.step_trace = StepTrace(config.trace_path)
         self._step_lock = threading.RLock()      # one step at a time
-        self._step_listeners: list[Callable[[], None]] = []
-        self.stepping_thread: int | None = None  # ident of the thread inside step(), None between steps
         self._wake = threading.Event()
         self._step = 0
         self._thread: threading.Thread | None = None
@@ -138,17 +136,10 @@ class Engine:
         return self.requests.has_unfinished()
 
     # -- the step --------------------------------------------------------------------
-    def add_step_listener(self, fn: Callable[[], None]) -> None:
-        """fn() at the end of every step, on the thread that ran it, before another step or an abort
-        can start: what the step's on_output calls delivered (on that thread, `stepping_thread`) can
-        be handed on in one piece, one wake-up of a consumer a step instead of one per request."""
-        self._step_listeners.append(fn)
-
     def step(self) -> list[RequestOutput]:
         with self._step_lock:
             if not self.healthy:
                 raise EngineDeadError(f"engine is not healthy: {self._error}")
-            self.stepping_thread = threading.get_ident()
             try:
                 with torch.inference_mode():
                     self._run_step()
@@ -158,16 +149,7 @@ class Engine:
                 raise
             finally:
                 outputs = self.postprocessor.take()
-                self.stepping_thread = None
-                self._notify_step_listeners()
             return outputs
-
-    def _notify_step_listeners(self) -> None:
-        for fn in self._step_listeners:
-            try:
-                fn()
-            except Exception:
-                log.exception("step listener failed")
 
     def _run_step(self) -> None:
         t0 = time.perf_counter()
