@@ -71,6 +71,16 @@ def test_cli_rejects_garbage(tmp_path, capsys):
     assert not run_dir.exists()                     # refused before anything was created
 
 
+@pytest.mark.parametrize("extra", [["--param", "dtype=float8"], ["--param", "max_running=-3"],
+                                   ["--rworkers", "2", "--param", "kv_format=int9"],
+                                   ["--rworkers-at", "127.0.0.1:1", "--param", "attention=warp"]])
+def test_cli_refuses_bad_settings_before_making_anything(tmp_path, capsys, extra):
+    run_dir = tmp_path / "run"
+    assert serve.main(["start", "--run-dir", str(run_dir), *extra]) == 2
+    assert "fastdecode.ops.serve:" in capsys.readouterr().err
+    assert not run_dir.exists()                     # no run dir, so no R-worker was started either
+
+
 def test_stop_without_a_server_is_harmless(tmp_path, capsys):
     assert serve.main(["stop", "--run-dir", str(tmp_path)]) == 0
     assert "no tritonserver recorded" in capsys.readouterr().err

@@ -38,8 +38,25 @@ def _engine_parameters(args) -> dict[str, str]:
     return params
 
 
+def _check_settings(params: dict[str, str], local_rworkers: int) -> None:
+    """Bad settings fail here, before a directory or an R-worker is made, not as a model that will
+    not load. Local R-workers are not started yet: stand-in addresses take their place."""
+    settings = dict(params)
+    if local_rworkers > 0 and "rworkers" not in settings:
+        settings["rworkers"] = ",".join(["127.0.0.1:1"] * local_rworkers)
+    engine_keys = {f.name for f in dataclasses.fields(EngineConfig)}
+    config_from_settings({k: v for k, v in settings.items() if k in engine_keys}, plan=params.get("plan", ""))
+
+
 def cmd_start(args) -> int:
-    params = _engine_parameters(args)       # bad input fails before anything is created
+    params = _engine_parameters(args)
+    if args.rworkers_at:
+        params["rworkers"] = args.rworkers_at
+    try:
+        _check_settings(params, args.rworkers)
+    except ValueError as e:
+        print(f"fastdecode.ops.serve: {e}", file=sys.stderr)
+        return 2
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     if (run_dir / "tritonserver.pid").exists():
@@ -48,23 +65,13 @@ def cmd_start(args) -> int:
             print(f"tritonserver already runs (pid {pid}) with run dir {run_dir}; `make stop` first", file=sys.stderr)
             return 1
     fleet = None
-    if args.rworkers_at:
-        params["rworkers"] = args.rworkers_at
-    elif args.rworkers > 0:
+    if not args.rworkers_at and args.rworkers > 0:
         from fastdecode.ops.fleet import LocalFleet
 
         print(f"starting {args.rworkers} local R-worker(s) ...", file=sys.stderr)
         fleet = LocalFleet(args.rworkers, run_dir / "rworkers", kv_capacity=args.kv_capacity).start()
         params["rworkers"] = ",".join(fleet.addresses)
         print(f"R-workers: {','.join(fleet.addresses)}", file=sys.stderr)
-    try:                                    # bad settings fail here, not as a model that will not load
-        engine_keys = {f.name for f in dataclasses.fields(EngineConfig)}
-        config_from_settings({k: v for k, v in params.items() if k in engine_keys}, plan=params.get("plan", ""))
-    except ValueError as e:
-        print(f"fastdecode.ops.serve: {e}", file=sys.stderr)
-        if fleet is not None:
-            fleet.stop()
-        return 2
     repo = write_model_repository(run_dir / "model_repository", params)
     server = TritonServer(repo, run_dir, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port)
