@@ -942,7 +942,8 @@ static void run_items_groups(const AttnJob& J, int begin, int end, float* scratc
     const uint8_t* tail0 = tb >= 0 ? J.tail_pool + static_cast<size_t>(tb) * J.T->block_bytes : nullptr;
     for (int i0 = 0; i0 < nblk; i0 += NB) {
       const int nb = nblk - i0 < NB ? nblk - i0 : NB;
-      for (int j = 0; j < nh; ++j)
+      for (int j = 0; j < nh; ++j) {
+        if (J.write_head && i0 + nb == nblk) J.write_head(J.write_ctx, b, h0 + j);
         for (int g0 = 0; g0 < G; g0 += 8) {  // tiles of at most 8 rows (all of them, for G <= 8)
           const int rho = j * G + g0;
           const float* q = qb + static_cast<size_t>(rho) * D;
@@ -951,6 +952,7 @@ static void run_items_groups(const AttnJob& J, int begin, int end, float* scratc
           FD_TILE_SWITCH(G - g0 < 8 ? G - g0 : 8, FD_CALL)
 #undef FD_CALL
         }
+      }
     }
     for (int rho = 0; rho < nrows; ++rho) {
       float* out = J.out + (static_cast<size_t>(b) * J.H + static_cast<size_t>(h0) * G + rho) * D;

@@ -196,6 +196,10 @@ struct AttnJob {
   const Layout* T = nullptr;
   const uint8_t* tail_pool = nullptr;
   const int32_t* tails = nullptr;
+  // Decode: write_head(write_ctx, b, h) stores sequence b's new token at kv head h; the kernel calls
+  // it just before the chunk that holds that token.
+  void (*write_head)(void* ctx, int b, int h) = nullptr;
+  void* write_ctx = nullptr;
 };
 
 // Floats of scratch one thread needs for items of this shape (see run_items): per-block

@@ -67,11 +67,22 @@ __attribute__((target("avx,f16c"))) void to_float_f16c(const uint16_t* x, float*
     _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
   for (; i < n; ++i) y[i] = h2f(x[i]);
 }
+__attribute__((target("avx2,f16c"))) void bf16_to_half_avx2(const uint16_t* x, uint16_t* y, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+    const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) y[i] = f2h(bf2f(x[i]));
+}
 const bool kHasF16C = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+const bool kHasAVX2F16C = kHasF16C && __builtin_cpu_supports("avx2");
 #else
-const bool kHasF16C = false;
+const bool kHasF16C = false, kHasAVX2F16C = false;
 void to_half_f16c(const float*, uint16_t*, size_t) {}
 void to_float_f16c(const uint16_t*, float*, size_t) {}
+void bf16_to_half_avx2(const uint16_t*, uint16_t*, size_t) {}
 #endif
 
 void to_half(const float* x, uint16_t* y, size_t n) {
@@ -101,6 +112,8 @@ const uint16_t* Input::halves(size_t at, uint16_t* scratch, size_t n) const {
   if (dtype == DType::f16) return static_cast<const uint16_t*>(data) + at;
   if (dtype == DType::f32) {
     to_half(static_cast<const float*>(data) + at, scratch, n);
+  } else if (kHasAVX2F16C) {
+    bf16_to_half_avx2(static_cast<const uint16_t*>(data) + at, scratch, n);
   } else {
     alignas(64) float x[4096];
     floats(at, x, n);
@@ -524,25 +537,11 @@ void KVStore::plan_writes_locked(int layer, const std::vector<Seq*>& seqs, Input
   }
 }
 
-// Item i covers sequence i / spans, kv heads [h0, h0 + span) (see run_attention).
-void KVStore::write_items(int begin, int end, int span) {
-  const TokenWrites& w = writes_;
-  const int Hkv = L_.num_kv_heads, spans = (Hkv + span - 1) / span;
-  auto heads = [&](int i, int& b, int& h0, int& h1) {
-    b = i / spans;
-    h0 = (i % spans) * span;
-    h1 = std::min(Hkv, h0 + span);
-  };
-  for (int i = begin; i < end; ++i) {
-    int b, h0, h1;
-    if (i + static_cast<int>(kWriteAhead) < end) {
-      heads(i + static_cast<int>(kWriteAhead), b, h0, h1);
-      prefetch_heads(w.block[b], w.slot[b], h0, h1);
-    }
-    heads(i, b, h0, h1);
-    write_heads(w.block[b], w.slot[b], w.k, w.v, b, h0, h1);
-    if (w.tail[b] >= 0) write_tail_heads(w.tail[b], w.slot[b], w.k, w.v, b, h0, h1);
-  }
+void KVStore::write_head(void* store, int b, int h) {
+  KVStore& st = *static_cast<KVStore*>(store);
+  const TokenWrites& w = st.writes_;
+  st.write_heads(w.block[b], w.slot[b], w.k, w.v, b, h, h + 1);
+  if (w.tail[b] >= 0) st.write_tail_heads(w.tail[b], w.slot[b], w.k, w.v, b, h, h + 1);
 }
 
 void KVStore::release_deferred_frees() {
@@ -680,8 +679,11 @@ void KVStore::run_attention(int H, float* out, bool writes, uint16_t* out_bf16) 
                       per_head;
     to_bf16(out + from, out_bf16 + from, to - from);
   };
+  if (writes) {
+    job.write_head = &KVStore::write_head;
+    job.write_ctx = this;
+  }
   if (T == 1) {
-    if (writes) write_items(0, items, span);
     items_(job, 0, items, scratch_[0].data());
     narrow(0, items);
     return;
@@ -701,7 +703,6 @@ void KVStore::run_attention(int H, float* out, bool writes, uint16_t* out_bf16) 
     if (tid >= T) return;
     for (int c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1)) {
       if (bounds[c] >= bounds[c + 1]) continue;
-      if (writes) write_items(bounds[c], bounds[c + 1], span);
       items_(job, bounds[c], bounds[c + 1], scratch_[tid].data());
       narrow(bounds[c], bounds[c + 1]);
     }

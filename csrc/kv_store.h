@@ -150,16 +150,17 @@ class KVStore {
   void write_heads(int32_t block, int slot, const Input& k, const Input& v, size_t src, int h0, int h1);
   void write_tail_heads(int32_t tail, int slot, const Input& k, const Input& v, size_t src, int h0, int h1);
   // decode's new tokens, one per sequence of the call: their places are taken under mu_ (the lengths
-  // already count them), and the attention threads write each just before they read its sequence,
-  // so that the new token's lines are in cache for the kernel instead of written in a pass of
-  // their own and read again from memory. Until they are written, free() holds back the blocks it
-  // returns (deferring_frees_), so that no other sequence can take a block a write is still due to.
+  // already count them), and the attention threads write each head of it just before the kernel
+  // reads the block that holds it (AttnJob::write_head): written in a pass of their own ahead of
+  // the kernel, the scattered stores of K's column waited on lines the kernel then read again.
+  // Until they are written, free() holds back the blocks it returns (deferring_frees_), so that no
+  // other sequence can take a block a write is still due to.
   struct TokenWrites {
     std::vector<int32_t> block, tail, slot;  // per sequence of the call; tail -1: none (same slot)
     Input k, v;
   };
   void plan_writes_locked(int layer, const std::vector<Seq*>& seqs, Input k, Input v);  // into writes_
-  void write_items(int begin, int end, int span);  // the tokens of work items [begin, end)
+  static void write_head(void* store, int b, int h);  // AttnJob::write_head: one head of writes_
   void release_deferred_frees();
   struct Snapshot {  // what one attention call reads: block ids, lengths and fp16 tails, copied
     std::vector<int32_t> blocks, lens, tails;
