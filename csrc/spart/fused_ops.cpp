@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "gemv_bf16.h"
 #include "packed_gemm.h"
 
 namespace {
@@ -518,4 +519,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sample_rows(logits, rows, temperatures, u) -> int64 token of each row: softmax(x / T) inverted at u",
         py::arg("logits"), py::arg("rows"), py::arg("temperatures"), py::arg("u"));
   register_packed_gemm(m);
+  register_gemv_bf16(m);
 }

@@ -16,6 +16,9 @@ head keeps the embedding's): the model then holds its weights once. Whoever read
 identity with the packed weight, each element one product by 1 among exact zeros. bf16 layers
 keep both: oneDNN's packed product has no `out`, and the LM head writes its logits into a kept
 buffer through the plain weight (a fresh buffer at each step was faulted in page by page).
+One bf16 row (a decode batch of one) goes to gemv_bf16 (csrc/spart/gemv_bf16.cpp) on that plain
+weight where the CPU has AVX512-BF16: oneDNN's product streamed the weights at about half the
+machine's bandwidth there.
 """
 from __future__ import annotations
 
@@ -57,6 +60,8 @@ class PackedLinear(nn.Module):
         self.dtype = linear.weight.dtype
         w = linear.weight.detach()
         self._ops = None if self.dtype == torch.bfloat16 else load_ops()
+        ops = _ops() if self.dtype == torch.bfloat16 else None
+        self._gemv = ops.gemv_bf16 if ops is not None and ops.gemv_bf16_available() else None
         packed = (torch.ops.mkldnn._reorder_linear_weight(w, batch_hint) if self._ops is None
                   else self._ops.pack_linear_weight(w))
         self.register_buffer("packed", packed, persistent=False)
@@ -97,7 +102,11 @@ class PackedLinear(nn.Module):
             y = F.linear(x, self.weight, self.bias)
             return y if out is None else out.copy_(y)
         if self.dtype == torch.bfloat16:
-            if out is not None and self.bias is None and "weight" in self._parameters:
+            kept = self._parameters.get("weight")
+            if self._gemv is not None and out is None and self.bias is None and kept is not None \
+                    and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1 and kept.is_contiguous():
+                return self._gemv(x, kept)       # one row: the weights streamed once (gemv_bf16.cpp)
+            if out is not None and self.bias is None and kept is not None:
                 return torch.matmul(x, self.weight.t(), out=out)
             y = self._packed_product(x, self.bias)
             return y if out is None else out.copy_(y)
