@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "bf16.h"
 #include "gemv_bf16.h"
 #include "packed_gemm.h"
 
@@ -24,14 +25,8 @@ namespace {
 
 constexpr int64_t kGrainElems = 1 << 14;   // elements a thread gets at least: below, one thread is faster
 
-inline float bf2f(uint16_t b) { return __builtin_bit_cast(float, static_cast<uint32_t>(b) << 16); }
-
-// Round to nearest even, as c10::BFloat16 does (NaN stays a quiet NaN).
-inline uint16_t f2bf(float f) {
-  const uint32_t u = __builtin_bit_cast(uint32_t, f);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
-}
+using fd_spart::bf2f;
+using fd_spart::f2bf;
 
 inline float round_bf(float f) { return bf2f(f2bf(f)); }
 

@@ -6,6 +6,8 @@
 // AVX512-BF16; elsewhere PackedLinear keeps oneDNN. Reference: F.linear (tests/test_gemv_bf16.py).
 #include "gemv_bf16.h"
 
+#include "bf16.h"
+
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
@@ -20,11 +22,7 @@ namespace {
 constexpr int64_t kRowsPerTask = 4;
 constexpr int64_t kGrainRows = 64;   // weight rows a thread gets at least
 
-inline uint16_t f2bf(float f) {  // round to nearest even, as c10::BFloat16 (NaN stays a quiet NaN)
-  const uint32_t u = __builtin_bit_cast(uint32_t, f);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
-}
+using fd_spart::f2bf;
 
 #define FD_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
