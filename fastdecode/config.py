@@ -21,6 +21,7 @@ DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
 
 ATTENTION_BACKENDS = ("local", "remote", "torch")
 SCHEDULERS = ("fcfs", "sls")
+CPU_GEMMS = ("auto", "onednn", "avx512bf16")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -31,6 +32,7 @@ class EngineConfig:
     dtype: str = "auto"                   # "auto": GPU bf16/fp16; CPU the faster of bf16 and fp32 (model/dtype_choice.py)
     device: str = "auto"                  # "auto" = cuda when present, else cpu
     max_model_len: int = 0                # 0 = the checkpoint's max_position_embeddings
+    cpu_gemm: str = "auto"                # bf16 products on the CPU: auto | onednn | avx512bf16 (model/packed.py)
 
     # R-Part (attention backend)
     attention: str = "local"              # local | remote | torch (pure-torch reference)
@@ -75,6 +77,7 @@ class EngineConfig:
         check(self.attention in ATTENTION_BACKENDS,
               f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         check(self.scheduler in SCHEDULERS, f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        check(self.cpu_gemm in CPU_GEMMS, f"cpu_gemm must be one of {CPU_GEMMS}, got {self.cpu_gemm!r}")
         check(self.kv_format in KV_FORMATS, f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
         check(self.attention != "remote" or len(self.rworkers) > 0,
               "attention='remote' needs at least one R-worker address")

@@ -47,6 +47,7 @@ def test_from_env_overrides_win_and_other_prefixes_are_ignored(clean_env):
     ("FASTDECODE_RWORKER_TIMEOUT_S", "soon"),
     ("FASTDECODE_KV_INT4_FP16_TAIL", "maybe"),
     ("FASTDECODE_KV_CAPACITY_BYTES", "12Q"),
+    ("FASTDECODE_CPU_GEMM", "mkl"),
 ])
 def test_from_env_garbage_names_the_variable(clean_env, key, value):
     clean_env.setenv(key, value)

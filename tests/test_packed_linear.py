@@ -144,8 +144,9 @@ def test_packing_is_only_for_cpu_bf16_and_fp32():
 
 @pytest.mark.skipif(not packing_supported(torch.bfloat16, "cpu"), reason="no oneDNN bf16 on this CPU")
 def test_bf16_packed_is_bit_identical_to_f_linear_and_fills_out():
+    """oneDNN's packed product; gemm_bf16's (where chosen) is tests/test_gemm_bf16.py's."""
     ref = linear(960, 576, dtype=torch.bfloat16)
-    layer = PackedLinear(ref)
+    layer = PackedLinear(ref, cpu_gemm="onednn")
     x = torch.randn(33, 576).to(torch.bfloat16)
     assert torch.equal(layer(x), F.linear(x, ref.weight))
     out = torch.empty(33, 960, dtype=torch.bfloat16)

@@ -16,6 +16,7 @@
 #include <limits>
 
 #include "bf16.h"
+#include "gemm_bf16.h"
 #include "gemv_bf16.h"
 #include "packed_gemm.h"
 
@@ -514,5 +515,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sample_rows(logits, rows, temperatures, u) -> int64 token of each row: softmax(x / T) inverted at u",
         py::arg("logits"), py::arg("rows"), py::arg("temperatures"), py::arg("u"));
   register_packed_gemm(m);
+  register_gemm_bf16(m);
   register_gemv_bf16(m);
 }

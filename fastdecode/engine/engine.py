@@ -62,7 +62,7 @@ class Engine:
         self.device = config.torch_device
         self.config = config
         loaded = on_a_thread_of_its_own(load_model, config.model, config.dtype, self.device,
-                                        config.max_model_len, config.max_running)
+                                        config.max_model_len, config.max_running, config.cpu_gemm)
         self.model, self.tokenizer, self.args = loaded.model, loaded.tokenizer, loaded.args
         self.max_model_len = loaded.max_model_len
         self.dtype = loaded.dtype.dtype

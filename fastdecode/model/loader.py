@@ -83,8 +83,9 @@ def eos_ids(path: Path, hf_config, tokenizer) -> tuple[int, ...]:
 
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", max_model_len: int = 0,
-               batch: int = 256) -> LoadedModel:
-    """dtype "auto" is chosen for `device` by model/dtype_choice.py, at `batch` sequences decoding."""
+               batch: int = 256, cpu_gemm: str = "auto") -> LoadedModel:
+    """dtype "auto" is chosen for `device` by model/dtype_choice.py, at `batch` sequences decoding;
+    cpu_gemm picks the bf16 products' kernel (model/packed.py)."""
     from transformers import AutoConfig, AutoTokenizer
 
     path = Path(path)
@@ -115,6 +116,6 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", ma
     model.rope.build("cpu")
     model = model.to(device).eval()
     model.requires_grad_(False)
-    pack_linears(model)
+    pack_linears(model, cpu_gemm)
     fuse_layers(model)
     return LoadedModel(model, tokenizer, hf_config, args, max_len, eos_ids(path, hf_config, tokenizer), choice)

@@ -3,7 +3,7 @@
 torch's `F.linear` on the CPU packs the weight into the GEMM library's own layout on every
 call: oneDNN's blocked layout in bf16, MKL's panels in fp32 (cblas_sgemm). At a decode batch
 that copy is a large part of the product (fp32, batch 8: about 45%). Packing once at load runs
-the same library on the same packed weight: in bf16 the products are bit-identical; in fp32
+the same library on the same packed weight: in bf16 oneDNN's products are bit-identical; in fp32
 they equal F.linear's but for the summation order of long rows (1e-6 relative), and a row's
 result does not depend on how many rows share the call once they are 12 or more, or a multiple
 of 4 (MKL on a Zen 4 takes other kernels for 1-11 rows: 1 row as a matrix-vector product, three
@@ -19,9 +19,16 @@ buffer through the plain weight (a fresh buffer at each step was faulted in page
 One bf16 row (a decode batch of one) goes to gemv_bf16 (csrc/spart/gemv_bf16.cpp) on that plain
 weight where the CPU has AVX512-BF16: oneDNN's product streamed the weights at about half the
 machine's bandwidth there.
+
+Where the CPU has AVX512-BF16 but no AMX (Zen 4, Cooper Lake, Ice Lake with BF16), bf16 layers
+without a bias pack for gemm_bf16 (csrc/spart/gemm_bf16.cpp) instead of oneDNN: on the model's
+short rows oneDNN's kernels ran at 80-90% of the dot-product peak, ours closer to it. With AMX,
+oneDNN multiplies on the tile unit, far faster than any AVX-512 loop, and keeps the products.
+`cpu_gemm` ("auto", "onednn", "avx512bf16") overrides the choice.
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import torch
@@ -49,11 +56,31 @@ def packing_supported(dtype: torch.dtype, device: str) -> bool:
     return False
 
 
+@functools.cache
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def own_gemm_wanted(ops, out_features: int, in_features: int, cpu_gemm: str = "auto") -> bool:
+    """Whether a bf16 layer of this shape (no bias) multiplies with gemm_bf16 rather than oneDNN."""
+    if cpu_gemm not in ("auto", "onednn", "avx512bf16"):
+        raise ValueError(f"cpu_gemm must be auto, onednn or avx512bf16, got {cpu_gemm!r}")
+    if cpu_gemm == "onednn" or ops is None or not ops.gemm_bf16_available():
+        return False
+    return ops.gemm_bf16_shape_supported(out_features, in_features) and (cpu_gemm == "avx512bf16"
+                                                                         or not _cpu_has_amx())
+
+
 class PackedLinear(nn.Module):
     """nn.Linear's forward on a packed weight. With keep_weight the layer also holds `weight`;
     without, `weight` and `state_dict()` unpack it when read."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = 64, keep_weight: bool = True) -> None:
+    def __init__(self, linear: nn.Linear, batch_hint: int = 64, keep_weight: bool = True,
+                 cpu_gemm: str = "auto") -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
@@ -62,8 +89,13 @@ class PackedLinear(nn.Module):
         self._ops = None if self.dtype == torch.bfloat16 else load_ops()
         ops = _ops() if self.dtype == torch.bfloat16 else None
         self._gemv = ops.gemv_bf16 if ops is not None and ops.gemv_bf16_available() else None
-        packed = (torch.ops.mkldnn._reorder_linear_weight(w, batch_hint) if self._ops is None
-                  else self._ops.pack_linear_weight(w))
+        self._gemm = (ops.gemm_bf16 if self.bias is None and own_gemm_wanted(ops, *w.shape, cpu_gemm)
+                      else None)
+        if self._gemm is not None:
+            packed = ops.pack_gemm_bf16(w)
+        else:
+            packed = (torch.ops.mkldnn._reorder_linear_weight(w, batch_hint) if self._ops is None
+                      else self._ops.pack_linear_weight(w))
         self.register_buffer("packed", packed, persistent=False)
         if keep_weight:
             self._parameters["weight"] = linear.weight    # (register_parameter would read the property)
@@ -106,6 +138,8 @@ class PackedLinear(nn.Module):
             if self._gemv is not None and out is None and self.bias is None and kept is not None \
                     and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1 and kept.is_contiguous():
                 return self._gemv(x, kept)       # one row: the weights streamed once (gemv_bf16.cpp)
+            if self._gemm is not None and x.dim() == 2 and x.stride(1) == 1:
+                return self._gemm(x, self.packed, out)
             if out is not None and self.bias is None and kept is not None:
                 return torch.matmul(x, self.weight.t(), out=out)
             y = self._packed_product(x, self.bias)
@@ -115,12 +149,15 @@ class PackedLinear(nn.Module):
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def _packed_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._gemm is not None:               # no bias: such layers keep oneDNN
+            rows = x.reshape(-1, self.in_features).contiguous()
+            return self._gemm(rows, self.packed).view(*x.shape[:-1], self.out_features)
         if self.dtype == torch.bfloat16:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return self._ops.packed_linear(x, self.packed, bias)
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, cpu_gemm: str = "auto") -> int:
     """Replace every CPU nn.Linear of `model` whose dtype packs (bf16, fp32) by a PackedLinear; in
     fp32 it holds only the packed weight unless another module shares that weight. Returns how many."""
     uses = Counter(id(p) for module in model.modules() for p in module._parameters.values() if p is not None)
@@ -129,6 +166,6 @@ def pack_linears(model: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and packing_supported(child.weight.dtype, child.weight.device.type):
                 keep = child.weight.dtype == torch.bfloat16 or uses[id(child.weight)] > 1
-                setattr(parent, name, PackedLinear(child, keep_weight=keep))
+                setattr(parent, name, PackedLinear(child, keep_weight=keep, cpu_gemm=cpu_gemm))
                 count += 1
     return count

@@ -1,0 +1,167 @@
+// y = x @ weight.T for a batch of rows, bf16 in and out, float32 sums, on a weight packed once:
+// the S-Part's products at decode batches on CPUs with AVX512-BF16 but no AMX (Zen 4, Ice Lake
+// ... Cooper Lake), where oneDNN's packed bf16 product ran at 80-90% of the dot-product peak on
+// the model's short rows (K = 576). The weight is packed in panels of 64 output channels, each
+// channel pair-interleaved ([N/64][K/2][64][2]), so that one k-pair of a panel is four zmm loads;
+// a tile of 6 rows x 64 channels keeps 24 accumulators in registers, each x pair broadcast once
+// per row. Threads split (row chunk, panel) items: a row chunk's panels one after another, so that
+// its rows stay in L2, or for a weight larger than a cache a panel's row chunks. Sums are the
+// pairwise bf16 products in float32 that oneDNN's kernels take, in another order: results differ
+// from F.linear by at most one bf16 rounding.
+// Reference: F.linear (tests/test_gemm_bf16.py).
+#include "gemm_bf16.h"
+
+#include "bf16.h"
+
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+// GCC 12 warns about _mm512_undefined_* inside its own intrinsics.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+namespace {
+
+constexpr int64_t kPanel = 64;       // output channels of a panel
+constexpr int64_t kTileRows = 6;     // rows of a register tile
+constexpr int64_t kChunkRows = 64;   // rows of a work item
+constexpr int64_t kStreamedWeightBytes = int64_t{16} << 20;
+
+#define FD_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+// 16 floats -> 16 bf16, round to nearest even and NaN kept quiet, as fd_spart::f2bf
+// (vcvtneps2bf16 would flush subnormal sums to zero).
+FD_BF16 inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// Rows [0, R) of x (row stride ldx) times one panel -> y (row stride ldy), 64 channels.
+template <int R>
+FD_BF16 void tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t pairs, uint16_t* y, int64_t ldy) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const uint32_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = reinterpret_cast<const uint32_t*>(x + r * ldx);
+  const uint16_t* w = panel;
+  for (int64_t kk = 0; kk < pairs; ++kk, w += 2 * kPanel) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32),
+                   w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[r][kk]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], b, w2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], b, w3);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16 * j), to_bf16(acc[r][j]));
+}
+
+FD_BF16 void rows_times_panel(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* panel, int64_t pairs,
+                              uint16_t* y, int64_t ldy) {
+  int64_t r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows) tile<kTileRows>(x + r * ldx, ldx, panel, pairs, y + r * ldy, ldy);
+  const uint16_t* xs = x + r * ldx;
+  uint16_t* ys = y + r * ldy;
+  switch (rows - r) {
+    case 1: tile<1>(xs, ldx, panel, pairs, ys, ldy); break;
+    case 2: tile<2>(xs, ldx, panel, pairs, ys, ldy); break;
+    case 3: tile<3>(xs, ldx, panel, pairs, ys, ldy); break;
+    case 4: tile<4>(xs, ldx, panel, pairs, ys, ldy); break;
+    case 5: tile<5>(xs, ldx, panel, pairs, ys, ldy); break;
+    default: break;
+  }
+}
+
+bool available() {
+#if defined(__x86_64__)
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+bool shape_supported(int64_t n, int64_t k) { return n > 0 && k > 0 && n % kPanel == 0 && k % 2 == 0; }
+
+void check_bf16_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", t.scalar_type());
+}
+
+at::Tensor pack(const at::Tensor& weight) {
+  check_bf16_cpu(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2, "weight must be [N, K], got ", weight.sizes());
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(shape_supported(N, K), "gemm_bf16 packs N a multiple of ", kPanel, " and K even (both > 0), got [",
+              N, ", ", K, "]");
+  // [N/64, K, 64] -> [N/64, K/2, 64, 2]: channel c's pair (k, k+1) at [p][k/2][c][0..1]
+  return weight.contiguous().view({N / kPanel, kPanel, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& out) {
+  TORCH_CHECK(available(), "gemm_bf16 needs a CPU with AVX512-BF16");
+  check_bf16_cpu(x, "x");
+  check_bf16_cpu(packed, "packed");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kPanel && packed.size(3) == 2 && packed.is_contiguous(),
+              "packed must come from pack_gemm_bf16 ([N/64, K/2, 64, 2], contiguous), got ", packed.sizes());
+  const int64_t N = packed.size(0) * kPanel, K = packed.size(1) * 2, M = x.dim() == 2 ? x.size(0) : -1;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && (x.stride(1) == 1 || K == 1) && (M <= 1 || x.stride(0) >= K),
+              "x must be [M, ", K, "] with contiguous rows, got ", x.sizes(), " strides ", x.strides());
+  at::Tensor y;
+  if (out.has_value()) {
+    y = *out;
+    check_bf16_cpu(y, "out");
+    TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.stride(1) == 1 && (M <= 1 || y.stride(0) >= N),
+                "out must be [", M, ", ", N, "] with contiguous rows, got ", y.sizes(), " strides ", y.strides());
+  } else {
+    y = at::empty({M, N}, x.options());
+  }
+  if (M == 0) return y;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t ldx = M > 1 ? x.stride(0) : K, ldy = M > 1 ? y.stride(0) : N;
+  const int64_t panels = N / kPanel, chunks = (M + kChunkRows - 1) / kChunkRows, pairs = K / 2;
+  // A weight past any L3 share (the LM head) is read from memory once, each thread walking its
+  // panels with all the rows (re-read from cache); a smaller one stays cached across row chunks.
+  const bool panel_major = N * K * 2 > kStreamedWeightBytes;
+  {
+    pybind11::gil_scoped_release release;
+    at::parallel_for(0, panels * chunks, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t c = panel_major ? i % chunks : i / panels, p = panel_major ? i / chunks : i % panels;
+        const int64_t r0 = c * kChunkRows;
+        rows_times_panel(xp + r0 * ldx, ldx, std::min(kChunkRows, M - r0), wp + p * pairs * 2 * kPanel, pairs,
+                         yp + r0 * ldy + p * kPanel, ldy);
+      }
+    });
+  }
+  return y;
+}
+
+}  // namespace
+
+void register_gemm_bf16(pybind11::module_& m) {
+  m.def("gemm_bf16_available", &available, "True where the CPU has AVX512-BF16 (gemm_bf16 runs)");
+  m.def("gemm_bf16_shape_supported", &shape_supported, "True where pack_gemm_bf16 packs a [N, K] weight",
+        py::arg("n"), py::arg("k"));
+  m.def("pack_gemm_bf16", &pack, "pack_gemm_bf16(weight [N, K] bfloat16) -> the packed weight gemm_bf16 takes",
+        py::arg("weight"));
+  m.def("gemm_bf16", &gemm,
+        "gemm_bf16(x [M, K] bfloat16, packed, out=None) -> x @ weight.T [M, N] bfloat16, into out when given",
+        py::arg("x"), py::arg("packed"), py::arg("out") = py::none());
+}

@@ -1,0 +1,150 @@
+"""The bf16 matrix product on a packed weight (csrc/spart/gemm_bf16.cpp) against F.linear, its
+reference: the same pairwise bf16 products summed in float32, so within one bf16 rounding of it;
+a row's result independent of the call's row count; the product PackedLinear takes where the CPU
+has AVX512-BF16 and no AMX (cpu_gemm); garbage refused with a clear error."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdecode.config import EngineConfig
+from fastdecode.model import packed as packed_module
+from fastdecode.model.packed import PackedLinear, own_gemm_wanted
+from tests.test_gemv_bf16 import within_one_rounding
+
+ops = pytest.importorskip("fastdecode._spart_ops")
+bf16_cpu = pytest.mark.skipif(not ops.gemm_bf16_available(), reason="this CPU has no AVX512-BF16")
+
+# (out_features, in_features): SmolLM2's qkv, o, gate_up, down, an LM head slice, the smallest shapes
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (8192, 576), (64, 2), (128, 34)]
+
+
+def bf16_pair(n: int, k: int, rows: int, seed: int):
+    torch.manual_seed(seed)
+    return (torch.randn(rows, k) * 2).to(torch.bfloat16), (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+
+
+def check(got, x, w):
+    within_one_rounding(got, F.linear(x, w), x.double() @ w.double().t(), x.double().abs() @ w.double().abs().t())
+
+
+@bf16_cpu
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 64, 130])
+def test_gemm_equals_f_linear_within_one_rounding(n, k, rows):
+    x, w = bf16_pair(n, k, rows, n + k + rows)
+    got = ops.gemm_bf16(x, ops.pack_gemm_bf16(w))
+    check(got, x, w)
+    assert (got == F.linear(x, w)).float().mean() > 0.99         # summation order alone parts them
+
+
+@bf16_cpu
+def test_gemm_of_a_weight_past_the_cache_bound():
+    """49152 x 576 (SmolLM2's LM head, 56 MB) is walked panel by panel, not row chunk by chunk."""
+    x, w = bf16_pair(49152, 576, 70, 3)
+    check(ops.gemm_bf16(x, ops.pack_gemm_bf16(w)), x, w)
+
+
+@bf16_cpu
+def test_a_rows_result_does_not_depend_on_the_calls_row_count_or_place():
+    x, w = bf16_pair(960, 576, 300, 4)
+    packed = ops.pack_gemm_bf16(w)
+    full = ops.gemm_bf16(x, packed)
+    for a, b in ((0, 1), (0, 5), (3, 9), (7, 71), (64, 65), (100, 300), (299, 300)):
+        assert torch.equal(ops.gemm_bf16(x[a:b], packed), full[a:b]), (a, b)
+
+
+@bf16_cpu
+def test_gemm_reads_strided_rows_writes_into_out_and_handles_no_rows():
+    x, w = bf16_pair(128, 40, 10, 5)
+    packed = ops.pack_gemm_bf16(w)
+    want = ops.gemm_bf16(x, packed)
+    wide = torch.zeros(10, 3 * 40, dtype=torch.bfloat16)
+    wide[:, 40:80] = x
+    assert torch.equal(ops.gemm_bf16(wide[:, 40:80], packed), want)      # rows of a wider buffer, in place
+    buf = torch.full((16, 200), float("nan"), dtype=torch.bfloat16)
+    got = ops.gemm_bf16(x, packed, buf[:10, :128])
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(buf[:10, :128], want)
+    assert torch.isnan(buf[10:].float()).all() and torch.isnan(buf[:, 128:].float()).all()   # the rest untouched
+    assert ops.gemm_bf16(torch.empty(0, 40, dtype=torch.bfloat16), packed).shape == (0, 128)
+
+
+@bf16_cpu
+def test_gemm_of_special_values():
+    w = torch.zeros(64, 2, dtype=torch.bfloat16)
+    w[0], w[1], w[2], w[3] = torch.tensor([1.0, 2.0]), torch.tensor([float("inf"), 1.0]), \
+        torch.tensor([float("nan"), 0.0]), torch.tensor([3e38, 3e38])
+    w[4] = torch.tensor([1.0, 1.0 / 256])                 # 1 + 2^-8 * 3 rounds to even: 1 + 2^-7 ... 1.0078125
+    x = torch.tensor([[1.0, 1.0], [1.0, 3.0]], dtype=torch.bfloat16)
+    got = ops.gemm_bf16(x, ops.pack_gemm_bf16(w)).float()
+    assert got[0, 0] == 3.0 and got[0, 1] == float("inf") and got[0, 2].isnan() and got[0, 3] == float("inf")
+    assert torch.equal(got[:, 4], F.linear(x, w)[:, 4].float())      # 1 + 3/256: round to nearest even
+    assert (got[:, 5:] == 0).all()
+
+
+@pytest.mark.parametrize("weight,match", [
+    (torch.randn(64, 8), "bfloat16"),
+    (torch.randn(64, 8).half(), "bfloat16"),
+    (torch.randn(60, 8).bfloat16(), "multiple of 64"),
+    (torch.randn(64, 7).bfloat16(), "K even"),
+    (torch.randn(0, 8).bfloat16(), "multiple of 64"),
+    (torch.randn(64, 8, 1).bfloat16(), r"\[N, K\]"),
+])
+def test_pack_refuses_garbage(weight, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.pack_gemm_bf16(weight)
+
+
+@bf16_cpu
+def test_gemm_refuses_garbage():
+    packed = ops.pack_gemm_bf16(torch.randn(64, 8).bfloat16())
+    x = torch.randn(3, 8).bfloat16()
+    for args, match in [
+        ((x.float(), packed), "bfloat16"),
+        ((x, packed.float()), "bfloat16"),
+        ((torch.randn(3, 10).bfloat16(), packed), r"\[M, 8\]"),
+        ((torch.randn(8).bfloat16(), packed), r"\[M, 8\]"),
+        ((torch.randn(3, 16).bfloat16()[:, ::2], packed), "contiguous rows"),
+        ((x, torch.randn(64, 8).bfloat16()), "pack_gemm_bf16"),
+        ((x, packed.view(1, 4, 32, 4)), "pack_gemm_bf16"),
+        ((x, packed, torch.empty(3, 64)), "bfloat16"),
+        ((x, packed, torch.empty(2, 64, dtype=torch.bfloat16)), r"\[3, 64\]"),
+        ((x, packed, torch.empty(64, 3, dtype=torch.bfloat16).t()), "contiguous rows"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            ops.gemm_bf16(*args)
+    with pytest.raises(TypeError):
+        ops.gemm_bf16("x", packed)
+
+
+def test_cpu_gemm_setting_is_checked():
+    with pytest.raises(ValueError, match="cpu_gemm"):
+        EngineConfig(cpu_gemm="mkl")
+    with pytest.raises(ValueError, match="cpu_gemm"):
+        own_gemm_wanted(ops, 64, 8, "fast")
+    assert not own_gemm_wanted(ops, 64, 8, "onednn") and not own_gemm_wanted(ops, 60, 8, "avx512bf16")
+    assert own_gemm_wanted(ops, 64, 8, "avx512bf16") == ops.gemm_bf16_available()
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+@pytest.mark.parametrize("cpu_gemm", ["auto", "onednn", "avx512bf16"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bf16_linear_takes_the_gemm_where_chosen(monkeypatch, cpu_gemm, bias):
+    torch.manual_seed(2)
+    ref = nn.Linear(576, 960, bias=bias, dtype=torch.bfloat16).requires_grad_(False)
+    for amx in (False, True):
+        monkeypatch.setattr(packed_module, "_cpu_has_amx", lambda: amx)
+        layer = PackedLinear(ref, cpu_gemm=cpu_gemm)
+        chosen = ops.gemm_bf16_available() and not bias and (cpu_gemm == "avx512bf16" or
+                                                             (cpu_gemm == "auto" and not amx))
+        assert (layer._gemm is not None) == chosen, (cpu_gemm, bias, amx)
+        x = torch.randn(2, 5, 576).to(torch.bfloat16)
+        want = F.linear(x, ref.weight, ref.bias)
+        exact = x.double() @ ref.weight.double().t() + (ref.bias.double() if bias else 0)
+        terms = x.double().abs() @ ref.weight.double().abs().t() + (ref.bias.double().abs() if bias else 0)
+        within_one_rounding(layer(x), want, exact, terms)                       # batched input
+        within_one_rounding(layer(x[0]), want[0], exact[0], terms[0])           # rows
+        out = torch.empty(5, 960, dtype=torch.bfloat16)
+        assert layer(x[0], out=out).data_ptr() == out.data_ptr()
+        within_one_rounding(out, want[0], exact[0], terms[0])
+        assert torch.equal(layer.weight, ref.weight)                            # the plain weight is kept
