@@ -148,3 +148,58 @@ def test_packed_bf16_linear_takes_the_gemm_where_chosen(monkeypatch, cpu_gemm, b
         assert layer(x[0], out=out).data_ptr() == out.data_ptr()
         within_one_rounding(out, want[0], exact[0], terms[0])
         assert torch.equal(layer.weight, ref.weight)                            # the plain weight is kept
+
+
+@bf16_cpu
+@pytest.mark.parametrize("rows,inter,k", [(1, 1536, 576), (13, 1536, 576), (130, 64, 34), (7, 32, 2)])
+def test_glu_packing_gives_the_same_product_and_fuses_silu_mul_bit_for_bit(rows, inter, k):
+    """A gate-up weight packed with glu: the same [M, 2I] product, and silu_mul's bits in one pass."""
+    x, w = bf16_pair(2 * inter, k, rows, rows + inter)
+    plain = ops.gemm_bf16(x, ops.pack_gemm_bf16(w))
+    glu = ops.pack_gemm_bf16(w, True)
+    assert torch.equal(ops.gemm_bf16(x, glu, glu=True), plain)
+    fused = ops.gemm_bf16_silu_mul(x, glu)
+    assert fused.shape == (rows, inter) and torch.equal(fused, ops.silu_mul(plain))
+    out = torch.full((rows + 2, inter), float("nan"), dtype=torch.bfloat16)
+    assert ops.gemm_bf16_silu_mul(x, glu, out[1:-1]).data_ptr() == out[1:].data_ptr()
+    assert torch.equal(out[1:-1], fused) and torch.isnan(out[0].float()).all() and torch.isnan(out[-1].float()).all()
+
+
+@bf16_cpu
+def test_gemm_silu_mul_refuses_garbage():
+    glu = ops.pack_gemm_bf16(torch.randn(128, 8).bfloat16(), True)
+    x = torch.randn(3, 8).bfloat16()
+    for args, match in [
+        ((x.float(), glu), "bfloat16"),
+        ((torch.randn(3, 6).bfloat16(), glu), r"\[M, 8\]"),
+        ((x, glu, torch.empty(3, 128, dtype=torch.bfloat16)), r"\[3, 64\]"),
+        ((x, glu, torch.empty(3, 64)), "bfloat16"),
+        ((x, torch.randn(128, 8).bfloat16()), "pack_gemm_bf16"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            ops.gemm_bf16_silu_mul(*args)
+    with pytest.raises(TypeError):
+        ops.gemm_bf16_silu_mul(x, glu, "out")
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+@pytest.mark.parametrize("cpu_gemm", ["auto", "onednn"])
+def test_a_swiglu_gate_up_layer_fuses_silu_mul_where_it_runs_on_gemm_bf16(cpu_gemm):
+    from fastdecode.model.layers import SwiGLU
+    from fastdecode.model.packed import pack_linears
+
+    torch.manual_seed(3)
+    mlp = SwiGLU(576, 1536, bias=False).to(torch.bfloat16).requires_grad_(False)
+    gate_up = mlp.gate_up_proj.weight.clone()
+    pack_linears(mlp, cpu_gemm)
+    layer = mlp.gate_up_proj
+    assert isinstance(layer, PackedLinear) and layer.glu == (layer._gemm is not None)
+    assert layer._gemm is None or cpu_gemm == "auto"
+    assert isinstance(mlp.down_proj, PackedLinear) and not mlp.down_proj.glu
+    x = torch.randn(9, 576).to(torch.bfloat16)
+    y = layer(x)
+    within_one_rounding(y, F.linear(x, gate_up), x.double() @ gate_up.double().t(),
+                        x.double().abs() @ gate_up.double().abs().t())
+    assert torch.equal(layer.silu_mul(x), ops.silu_mul(y))
+    assert torch.equal(layer.silu_mul(x[:, :].t().contiguous().t()), ops.silu_mul(y))   # column-major rows
+    assert torch.equal(layer.weight, gate_up)

@@ -16,6 +16,7 @@
 #include <limits>
 
 #include "bf16.h"
+#include "bf16_avx512.h"
 #include "gemm_bf16.h"
 #include "gemv_bf16.h"
 #include "packed_gemm.h"
@@ -241,48 +242,15 @@ FD_CLONES void silu_mul_row(const float* __restrict g, const float* __restrict u
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define FD_AVX512F_FMA __attribute__((target("avx512f,fma")))
-FD_AVX512F_FMA inline __m512 load_bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-// Round to nearest even as f2bf (NaN -> 0x7fc0), kept as float bits with the low half zero.
-FD_AVX512F_FMA inline __m512i round_bf16x16(__m512 f) {
-  const __m512i u = _mm512_castps_si512(f);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  return _mm512_mask_mov_epi32(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))), nan,
-                               _mm512_set1_epi32(0x7fc00000));
-}
-
-FD_AVX512F_FMA inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  const __m512 k_round = _mm512_set1_ps(12582912.f);
-  const __m512 shifted = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), k_round);
-  const __m512 n = _mm512_sub_ps(shifted, k_round);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  const __m512i e = _mm512_sub_epi32(_mm512_castps_si512(shifted), _mm512_castps_si512(k_round));
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(127)), 23)));
-}
+using fd_spart::load_bf16x16;
+using fd_spart::silu_mul16;
 
 FD_AVX512F_FMA void silu_mul_row_avx512(const uint16_t* __restrict g, const uint16_t* __restrict u,
                                         uint16_t* __restrict o, int64_t n) {
   const int64_t body = n - n % 16;
-  const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < body; i += 16) {
-    const __m512 x = load_bf16x16(g + i);
-    const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-    const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(round_bf16x16(s)), load_bf16x16(u + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16x16(y), 16)));
+    const __m512i y = silu_mul16(load_bf16x16(g + i), load_bf16x16(u + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(y, 16)));
   }
   if (body < n) silu_mul_row(g + body, u + body, o + body, n - body);
 }

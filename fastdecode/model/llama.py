@@ -114,7 +114,9 @@ class DecoderLayer(nn.Module):
             return h + self.mlp(self.post_attention_layernorm(h))
         norm = self.post_attention_layernorm
         x = self.ops.add_rms_norm(h, d, norm.weight, norm.eps)
-        return h.add_(self.mlp.down_proj(self.ops.silu_mul(self.mlp.gate_up_proj(x))))
+        gate_up = self.mlp.gate_up_proj
+        a = gate_up.silu_mul(x) if isinstance(gate_up, PackedLinear) else self.ops.silu_mul(gate_up(x))
+        return h.add_(self.mlp.down_proj(a))
 
 
 class LlamaModel(nn.Module):

@@ -20,11 +20,13 @@ One bf16 row (a decode batch of one) goes to gemv_bf16 (csrc/spart/gemv_bf16.cpp
 weight where the CPU has AVX512-BF16: oneDNN's product streamed the weights at about half the
 machine's bandwidth there.
 
-Where the CPU has AVX512-BF16 but no AMX (Zen 4, Cooper Lake, Ice Lake with BF16), bf16 layers
+Where the CPU has AVX512-BF16 but no AMX (Zen 4 and 5, Cooper Lake), bf16 layers
 without a bias pack for gemm_bf16 (csrc/spart/gemm_bf16.cpp) instead of oneDNN: on the model's
 short rows oneDNN's kernels ran at 80-90% of the dot-product peak, ours closer to it. With AMX,
 oneDNN multiplies on the tile unit, far faster than any AVX-512 loop, and keeps the products.
-`cpu_gemm` ("auto", "onednn", "avx512bf16") overrides the choice.
+`cpu_gemm` ("auto", "onednn", "avx512bf16") overrides the choice. A module names its gate-up
+layer in `GLU_LINEAR` (layers.SwiGLU): packed for gemm_bf16, it also computes silu(gate) * up in
+the product's own pass (PackedLinear.silu_mul), the same bits as fused_ops' silu_mul of its output.
 """
 from __future__ import annotations
 
@@ -80,7 +82,7 @@ class PackedLinear(nn.Module):
     without, `weight` and `state_dict()` unpack it when read."""
 
     def __init__(self, linear: nn.Linear, batch_hint: int = 64, keep_weight: bool = True,
-                 cpu_gemm: str = "auto") -> None:
+                 cpu_gemm: str = "auto", glu: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
@@ -91,8 +93,11 @@ class PackedLinear(nn.Module):
         self._gemv = ops.gemv_bf16 if ops is not None and ops.gemv_bf16_available() else None
         self._gemm = (ops.gemm_bf16 if self.bias is None and own_gemm_wanted(ops, *w.shape, cpu_gemm)
                       else None)
+        # a gate-up layer (gate rows, then up rows) on gemm_bf16 also fuses silu_mul (silu_mul())
+        self.glu = glu and self._gemm is not None
+        self._gemm_silu_mul = ops.gemm_bf16_silu_mul if self.glu else None
         if self._gemm is not None:
-            packed = ops.pack_gemm_bf16(w)
+            packed = ops.pack_gemm_bf16(w, self.glu)
         else:
             packed = (torch.ops.mkldnn._reorder_linear_weight(w, batch_hint) if self._ops is None
                       else self._ops.pack_linear_weight(w))
@@ -139,7 +144,7 @@ class PackedLinear(nn.Module):
                     and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1 and kept.is_contiguous():
                 return self._gemv(x, kept)       # one row: the weights streamed once (gemv_bf16.cpp)
             if self._gemm is not None and x.dim() == 2 and x.stride(1) == 1:
-                return self._gemm(x, self.packed, out)
+                return self._gemm(x, self.packed, out, self.glu)
             if out is not None and self.bias is None and kept is not None:
                 return torch.matmul(x, self.weight.t(), out=out)
             y = self._packed_product(x, self.bias)
@@ -148,10 +153,18 @@ class PackedLinear(nn.Module):
         y = self._ops.packed_linear(rows, self.packed, self.bias, out)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a gate-up layer's product (fused_ops' silu_mul of forward(x)), in
+        the product's own pass where it was packed with glu."""
+        if self._gemm_silu_mul is not None and x.dim() == 2 and x.stride(1) == 1 and x.dtype == self.dtype \
+                and x.device.type == "cpu":
+            return self._gemm_silu_mul(x, self.packed)
+        return load_ops().silu_mul(self(x))
+
     def _packed_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._gemm is not None:               # no bias: such layers keep oneDNN
             rows = x.reshape(-1, self.in_features).contiguous()
-            return self._gemm(rows, self.packed).view(*x.shape[:-1], self.out_features)
+            return self._gemm(rows, self.packed, None, self.glu).view(*x.shape[:-1], self.out_features)
         if self.dtype == torch.bfloat16:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return self._ops.packed_linear(x, self.packed, bias)
@@ -166,6 +179,7 @@ def pack_linears(model: nn.Module, cpu_gemm: str = "auto") -> int:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and packing_supported(child.weight.dtype, child.weight.device.type):
                 keep = child.weight.dtype == torch.bfloat16 or uses[id(child.weight)] > 1
-                setattr(parent, name, PackedLinear(child, keep_weight=keep, cpu_gemm=cpu_gemm))
+                glu = getattr(parent, "GLU_LINEAR", None) == name
+                setattr(parent, name, PackedLinear(child, keep_weight=keep, cpu_gemm=cpu_gemm, glu=glu))
                 count += 1
     return count
