@@ -1,14 +1,14 @@
-// y = x @ weight.T for a batch of rows, bf16 in and out, float32 sums, on a weight packed once:
-// the S-Part's products at decode batches on CPUs with AVX512-BF16 but no AMX (Zen 4 and 5,
-// Cooper Lake, a Xeon whose AMX is not exposed), where oneDNN's packed bf16 product ran at 80-90%
-// of the dot-product peak on the model's short rows (K = 576). The weight is packed in panels of 64 output channels, each
-// channel pair-interleaved ([N/64][K/2][64][2]), so that one k-pair of a panel is four zmm loads;
-// a tile of 6 rows x 64 channels keeps 24 accumulators in registers, each x pair broadcast once
-// per row. Threads split (row chunk, panel) items: a row chunk's panels one after another, so that
-// its rows stay in L2, or for a weight larger than a cache a panel's row chunks. Sums are the
-// pairwise bf16 products in float32 that oneDNN's kernels take, in another order: results differ
-// from F.linear by at most one bf16 rounding. A gate-up weight packed with glu also gives
-// fused_ops' silu_mul of its product straight from the registers (the same bits), so that the
+// y = x @ weight.T for a batch of rows, bf16 in and out, float32 sums, on a weight packed once: the
+// S-Part's products at decode batches on CPUs with AVX512-BF16 but no AMX (Zen 4 and 5, Cooper
+// Lake, a Xeon whose AMX is not exposed), where oneDNN's packed bf16 product ran at 80-90% of the
+// dot-product peak on the model's short rows (K = 576). The weight is packed in panels of 64 output
+// channels, each channel pair-interleaved ([N/64][K/2][64][2]), so that one k-pair of a panel is
+// four zmm loads; a tile of 6 rows x 64 channels keeps 24 accumulators in registers, each x pair
+// broadcast once per row. Threads split (row chunk, panel) items: a row chunk's panels one after
+// another, so that its rows stay in L2, or for a weight larger than a cache a panel's row chunks.
+// Sums are the pairwise bf16 products in float32 that oneDNN's kernels take, in another order:
+// results differ from F.linear by at most one bf16 rounding. A gate-up weight packed with glu also
+// gives fused_ops' silu_mul of its product straight from the registers (the same bits), so that the
 // MLP's [M, 2I] intermediate is never written.
 // Reference: F.linear (tests/test_gemm_bf16.py).
 #include "gemm_bf16.h"
