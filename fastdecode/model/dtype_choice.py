@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fastdecode.model.llama import ModelArgs
-from fastdecode.model.packed import PackedLinear, packing_supported
+from fastdecode.model.packed import PackedLinear, cpu_flags, packing_supported
 
 PROBE_MAX_BATCH = 256          # rows of the probe's products: the engine at full load, capped
 PROBE_MAX_WEIGHT = 1 << 22     # elements per probe weight (the LM head is cut to this many)
@@ -39,14 +39,6 @@ class DtypeChoice:
 
     def as_dict(self) -> dict:
         return {"dtype": self.dtype, "reason": self.reason, "probe_seconds": dict(self.seconds)}
-
-
-def cpu_flags() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
 
 
 def cpu_has_native_bf16(flags: list[str] | None = None) -> bool:

@@ -58,13 +58,17 @@ def packing_supported(dtype: torch.dtype, device: str) -> bool:
     return False
 
 
-@functools.cache
-def _cpu_has_amx() -> bool:
+def cpu_flags() -> list[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
-        return False
+        return []
+
+
+@functools.cache
+def _cpu_has_amx() -> bool:
+    return "amx_bf16" in cpu_flags()
 
 
 def own_gemm_wanted(ops, out_features: int, in_features: int, cpu_gemm: str = "auto") -> bool:
