@@ -137,7 +137,7 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& packed, const c10::opt
               "packed must come from pack_gemm_bf16 ([N/64, K/2, 64, 2], contiguous), got ", packed.sizes());
   const int64_t K = packed.size(1) * 2, M = x.dim() == 2 ? x.size(0) : -1;
   const int64_t N = layout == Layout::kSiluMul ? packed.size(0) * kPanel / 2 : packed.size(0) * kPanel;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && (x.stride(1) == 1 || K == 1) && (M <= 1 || x.stride(0) >= K),
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.stride(1) == 1 && (M <= 1 || x.stride(0) >= K),
               "x must be [M, ", K, "] with contiguous rows, got ", x.sizes(), " strides ", x.strides());
   at::Tensor y;
   if (out.has_value()) {
