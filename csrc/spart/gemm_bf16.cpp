@@ -13,6 +13,7 @@
 // Reference: F.linear (tests/test_gemm_bf16.py).
 #include "gemm_bf16.h"
 
+#include "bf16.h"
 #include "bf16_avx512.h"
 
 #include <ATen/Parallel.h>
@@ -100,14 +101,7 @@ FD_BF16 void rows_times_panel(const uint16_t* x, int64_t ldx, int64_t rows, cons
   }
 }
 
-bool available() {
-#if defined(__x86_64__)
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
+bool available() { return fd_spart::cpu_has_avx512_bf16(); }
 
 bool shape_supported(int64_t n, int64_t k) { return n > 0 && k > 0 && n % kPanel == 0 && k % 2 == 0; }
 

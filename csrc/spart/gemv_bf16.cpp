@@ -65,14 +65,7 @@ FD_BF16 void rows_bf16(const uint16_t* x, const uint16_t* w, int64_t K, int64_t 
   }
 }
 
-bool available() {
-#if defined(__x86_64__)
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
+bool available() { return fd_spart::cpu_has_avx512_bf16(); }
 
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(available(), "gemv_bf16 needs a CPU with AVX512-BF16");
