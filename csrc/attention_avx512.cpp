@@ -49,7 +49,7 @@ struct V {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
   }
-  static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+  static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T2); }
   typedef __m512i I;
   static inline I load_u32(const uint32_t* p) { return _mm512_loadu_si512(p); }
   template <int S>

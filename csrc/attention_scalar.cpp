@@ -21,7 +21,7 @@ struct V {
   static inline float hsum(F x) { return x; }
   static inline float first(F x) { return x; }
   static inline F exp2(F x) { return x < -126.0f ? 0.0f : std::exp2(x); }
-  static inline void prefetch(const void* p) { __builtin_prefetch(p); }
+  static inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 1); }
   typedef uint32_t I;
   static inline I load_u32(const uint32_t* p) { return *p; }
   template <int S>
