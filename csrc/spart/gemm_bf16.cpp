@@ -20,6 +20,7 @@
 
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
 
 // GCC 12 warns about _mm512_undefined_* inside its own intrinsics.
@@ -154,14 +155,22 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& packed, const c10::opt
   const bool panel_major = packed.numel() * 2 > kStreamedWeightBytes;
   auto run = layout == Layout::kPlain ? rows_times_panel<Layout::kPlain>
              : layout == Layout::kGlu ? rows_times_panel<Layout::kGlu> : rows_times_panel<Layout::kSiluMul>;
+  // Threads take runs of consecutive items in turn from a shared counter, about 16 runs a thread: one
+  // descheduled by another process on the machine delays its own run, not a fixed half of the product.
+  const int64_t items = panels * chunks, threads = std::min<int64_t>(at::get_num_threads(), items);
+  const int64_t run_items = std::max<int64_t>(1, items / (threads * 16));
+  std::atomic<int64_t> next{0};
   {
     pybind11::gil_scoped_release release;
-    at::parallel_for(0, panels * chunks, 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t c = panel_major ? i % chunks : i / panels, p = panel_major ? i / chunks : i % panels;
-        const int64_t r0 = c * kChunkRows;
-        run(xp + r0 * ldx, ldx, std::min(kChunkRows, M - r0), wp + p * pairs * 2 * kPanel, pairs,
-            yp + r0 * ldy + p * column, ldy, up);
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t i0 = next.fetch_add(run_items, std::memory_order_relaxed); i0 < items;
+           i0 = next.fetch_add(run_items, std::memory_order_relaxed)) {
+        for (int64_t i = i0; i < std::min(items, i0 + run_items); ++i) {
+          const int64_t c = panel_major ? i % chunks : i / panels, p = panel_major ? i / chunks : i % panels;
+          const int64_t r0 = c * kChunkRows;
+          run(xp + r0 * ldx, ldx, std::min(kChunkRows, M - r0), wp + p * pairs * 2 * kPanel, pairs,
+              yp + r0 * ldy + p * column, ldy, up);
+        }
       }
     });
   }
