@@ -55,6 +55,29 @@ def test_a_rows_result_does_not_depend_on_the_calls_row_count_or_place():
 
 
 @bf16_cpu
+@pytest.mark.parametrize("n,rows", [(960, 300), (49152, 70), (64, 1), (192, 7)])
+def test_every_item_is_computed_once_whatever_the_thread_count(n, rows):
+    """Threads take runs of items from a shared counter: every output is written (out starts as
+    NaN), and the result is the same on 1 to 5 threads."""
+    x, w = bf16_pair(n, 576, rows, 6)
+    packed = ops.pack_gemm_bf16(w)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for t in (1, 2, 3, 5):
+            torch.set_num_threads(t)
+            out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+            ops.gemm_bf16(x, packed, out=out)
+            assert not out.isnan().any(), t
+            results.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
+    check(results[0], x, w)
+
+
+@bf16_cpu
 def test_gemm_reads_strided_rows_writes_into_out_and_handles_no_rows():
     x, w = bf16_pair(128, 40, 10, 5)
     packed = ops.pack_gemm_bf16(w)
