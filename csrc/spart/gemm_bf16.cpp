@@ -46,6 +46,20 @@ FD_BF16 inline void store16(uint16_t* p, __m512i rounded) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 
+// f2bf's round to nearest even by the hardware (vcvtneps2bf16; a NaN stays a NaN, not always
+// 0x7fc0), as float bits. The silu_mul epilogue rounds four times: this takes about 2% off the
+// gate-up product; the plain stores keep round_bf16x16 (1-3% faster there, measured on Zen 4).
+FD_BF16 inline __m512 rounded(__m512 f) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f)), 16));
+}
+
+// fused_ops' silu_mul (the same bits) on 16 pairs of sums, rounded to bf16.
+FD_BF16 inline __m256i silu_mul_sums(__m512 gate, __m512 up) {
+  const __m512 g = rounded(gate);
+  const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), fd_spart::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(rounded(s), rounded(up)));
+}
+
 // Rows [0, R) of x (row stride ldx) times one panel -> y (row stride ldy); up: kGlu's up offset.
 template <int R, Layout L>
 FD_BF16 void tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t pairs, uint16_t* y, int64_t ldy,
@@ -72,8 +86,7 @@ FD_BF16 void tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t
     uint16_t* yr = y + r * ldy;
     if constexpr (L == Layout::kSiluMul) {
       for (int j = 0; j < 2; ++j)
-        store16(yr + 16 * j, fd_spart::silu_mul16(_mm512_castsi512_ps(fd_spart::round_bf16x16(acc[r][j])),
-                                                  _mm512_castsi512_ps(fd_spart::round_bf16x16(acc[r][j + 2]))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr + 16 * j), silu_mul_sums(acc[r][j], acc[r][j + 2]));
     } else {
       const int64_t second = L == Layout::kGlu ? up : 32;
       store16(yr, fd_spart::round_bf16x16(acc[r][0]));
