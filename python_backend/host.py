@@ -14,7 +14,8 @@ same whatever it carries, so under load a response carries `stream_interval` tok
 while at most AUTO_STREAMS requests are in flight, then twice as many for every twice as many
 requests, so that a step sends about AUTO_STREAMS responses: 2 up to 32, 4 up to 64, 8 beyond); a
 request's first token (even one of no text yet) and its last output go out at once, and no token
-waits longer than `max_hold_s`. The sender thread polls each live request's `is_cancelled()`
+waits longer than `max_hold_s`: where steps are too slow for that, held tokens leave with the
+step whose next wait would pass it, on the send threads like any other output. The sender thread polls each live request's `is_cancelled()`
 (the client cancelled its gRPC stream) and aborts it in the engine, which frees its KV at once;
 pushes metrics; and watches `engine.healthy`: once the engine loop has crashed, every live
 request ends with an error, new ones are refused, and the model unloads itself so that Triton
@@ -90,7 +91,8 @@ class EngineHost:
         self._ids = itertools.count()
         self.stream_interval = stream_interval          # tokens a response; 0 = auto
         self.max_hold_s = max_hold_s
-        self._held: dict[str, tuple[Any, float]] = {}   # request id -> (output waiting for more tokens, since)
+        # request id -> (output waiting for more tokens, waiting since, its latest token's arrival)
+        self._held: dict[str, tuple[Any, float, float]] = {}
         self.send_threads = max(1, send_threads)
         self._lanes = ThreadPoolExecutor(self.send_threads - 1, thread_name_prefix="fastdecode-send") \
             if self.send_threads > 1 else None
@@ -205,6 +207,10 @@ class EngineHost:
                     out = self._pace(live, out, interval, now)
                     if out is not None:
                         lanes.setdefault(live.lane, []).append(out)
+        self._send_lanes(lanes)
+
+    def _send_lanes(self, lanes: dict[int, list]) -> None:
+        """Each lane's outputs in order, the lanes side by side on the send threads."""
         groups = list(lanes.values())
         if self._lanes is None or len(groups) < 2:
             for group in groups:
@@ -226,19 +232,27 @@ class EngineHost:
         held = self._held.pop(live.request_id, None)
         if held is not None:
             out = coalesce([held[0], out])[0]
-        if out.finished or not live.responded or len(out.token_ids) >= interval:
+        # Held tokens go out with this step's outputs (on the send threads) when waiting for the
+        # next token, as long as the last one took, would pass max_hold_s; the timer
+        # (_release_held) is only for a request whose tokens stop coming.
+        if out.finished or not live.responded or len(out.token_ids) >= interval \
+                or (held is not None and 2 * now - held[1] - held[2] >= self.max_hold_s):
             return out
-        self._held[live.request_id] = (out, now if held is None else held[1])
+        self._held[live.request_id] = (out, now if held is None else held[1], now)
         return None
 
     def _release_held(self, now: float) -> float:
         """Send what has waited `max_hold_s` (a request paused by preemption, or a slow step);
         returns when the next of those still held is due."""
+        lanes: dict[int, list] = {}
         with self._lock:
-            due = [rid for rid, (_, since) in self._held.items() if now - since >= self.max_hold_s]
-            outs = [self._held.pop(rid)[0] for rid in due]
-            oldest = min((since for _, since in self._held.values()), default=now)
-        self._handle_lane(outs)
+            due = [rid for rid, (_, since, _) in self._held.items() if now - since >= self.max_hold_s]
+            for rid in due:
+                out = self._held.pop(rid)[0]
+                live = self._live.get(rid)
+                lanes.setdefault(live.lane if live is not None else 0, []).append(out)
+            oldest = min((since for _, since, _ in self._held.values()), default=now)
+        self._send_lanes(lanes)
         return oldest + self.max_hold_s
 
     def _handle_lane(self, outs: list) -> None:

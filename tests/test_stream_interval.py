@@ -137,6 +137,55 @@ def test_a_held_token_goes_out_after_max_hold_s_when_no_more_come():
         host.shutdown()
 
 
+def test_held_tokens_go_out_with_the_step_whose_next_wait_would_pass_max_hold_s(monkeypatch):
+    """Tokens that come slower than stream_interval allows within max_hold_s go out with a step's
+    output (carrying its token, on the send threads), before max_hold_s, not by the timer."""
+    import types
+
+    import python_backend.host as host_module
+    clock = [100.0]
+    monkeypatch.setattr(host_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    host, engine, transport = make_host(stream_interval=8, max_hold_s=1.0)
+    try:
+        (rid,), = submit_streams(host, engine, ["s"])
+        for i, at in enumerate((100.0, 100.3, 100.6, 100.9), start=1):
+            clock[0] = at
+            engine.callbacks[rid](out(rid, [i], str(i), n=i))
+            settle(host)
+        assert sent_by(transport, "s") == [("1", False)]    # 2 has waited 0.6 s: another 0.3 s is within 1 s
+        clock[0] = 101.2                                    # 2 has waited 0.9 s: the next token would be late
+        engine.callbacks[rid](out(rid, [5], "5", n=5))
+        settle(host)
+        assert sent_by(transport, "s") == [("1", False), ("2345", False)]
+        assert not host._held
+        engine.callbacks[rid](out(rid, [6], "6", True, "length", n=6))
+        wait_finals(transport, 1)
+        assert sent_by(transport, "s") == [("1", False), ("2345", False), ("6", True)]
+    finally:
+        host.shutdown()
+
+
+def test_tokens_of_many_streams_released_by_the_timer_all_go_out_once_and_in_order():
+    host, engine, transport = make_host(stream_interval=8, max_hold_s=0.2)
+    try:
+        senders = [f"s{i}" for i in range(20)]
+        ids = [rids[0] for rids in submit_streams(host, engine, senders)]
+        for step in (1, 2, 3):
+            for rid in ids:
+                engine.callbacks[rid](out(rid, [step], str(step), n=step))
+            settle(host)
+        with transport.cond:       # then no more tokens come: the timer sends "23" of every stream
+            assert transport.cond.wait_for(lambda: len(transport.sent) == 40, 5)
+        for rid in ids:
+            engine.callbacks[rid](out(rid, [4], "4", True, "length", n=4))
+        wait_finals(transport, 20)
+        for sender in senders:
+            assert sent_by(transport, sender) == [("1", False), ("23", False), ("4", True)], sender
+        assert not host._held
+    finally:
+        host.shutdown()
+
+
 def test_a_request_that_ends_while_tokens_wait_sends_them_with_its_end():
     host, engine, transport = make_host(stream_interval=8, max_hold_s=60)
     try:
