@@ -189,6 +189,25 @@ def test_glu_packing_gives_the_same_product_and_fuses_silu_mul_bit_for_bit(rows,
 
 
 @bf16_cpu
+def test_fused_silu_mul_of_special_sums():
+    """The fused epilogue rounds by the hardware: the fused op's bits wherever they are a normal
+    number, zero or inf, a NaN for a NaN, and zero where they are under float32's normal range."""
+    inter = 32
+    w = torch.zeros(2 * inter, 2, dtype=torch.bfloat16)
+    gates = [1.0, -2.5, 0.0, float("inf"), float("nan"), 3e38, 1e-30, 1e-20, -100.0, 1e-38]
+    ups = [2.0, 3.0, 5.0, 1.0, 1.0, 3e38, 4.0, 1e-20, 1.0, 1.0]
+    for c, (g, u) in enumerate(zip(gates, ups)):
+        w[c, 0], w[inter + c, 0] = g, u
+    x = torch.tensor([[1.0, 0.0], [1e-20, 0.0], [-3.0, 0.0]], dtype=torch.bfloat16)
+    fused = ops.gemm_bf16_silu_mul(x, ops.pack_gemm_bf16(w, True)).float()
+    want = ops.silu_mul(ops.gemm_bf16(x, ops.pack_gemm_bf16(w))).float()
+    nan, tiny = want.isnan(), (want != 0) & (want.abs() < torch.finfo(torch.float32).tiny)
+    assert nan.any() and tiny.any() and (~nan & ~tiny & (want != 0)).sum() > 10
+    assert fused[nan].isnan().all() and (fused[tiny] == 0).all()
+    assert torch.equal(fused[~nan & ~tiny], want[~nan & ~tiny])
+
+
+@bf16_cpu
 def test_gemm_silu_mul_refuses_garbage():
     glu = ops.pack_gemm_bf16(torch.randn(128, 8).bfloat16(), True)
     x = torch.randn(3, 8).bfloat16()
