@@ -15,11 +15,11 @@ while at most AUTO_STREAMS requests are in flight, then twice as many for every 
 requests, so that a step sends about AUTO_STREAMS responses: 2 up to 32, 4 up to 64, 8 beyond); a
 request's first token (even one of no text yet) and its last output go out at once, and no token
 waits longer than `max_hold_s`: where steps are too slow for that, held tokens leave with the
-step whose next wait would pass it, on the send threads like any other output. The sender thread polls each live request's `is_cancelled()`
-(the client cancelled its gRPC stream) and aborts it in the engine, which frees its KV at once;
-pushes metrics; and watches `engine.healthy`: once the engine loop has crashed, every live
-request ends with an error, new ones are refused, and the model unloads itself so that Triton
-reports it not ready.
+step whose next wait would pass it, on the send threads like any other output. The sender thread
+polls each live request's `is_cancelled()` (the client cancelled its gRPC stream) and aborts it in
+the engine, which frees its KV at once; pushes metrics; and watches `engine.healthy`: once the
+engine loop has crashed, every live request ends with an error, new ones are refused, and the
+model unloads itself so that Triton reports it not ready.
 
 The Triton side is behind `Transport` (pb_model.PbTransport in Triton, a fake in tests).
 """
@@ -232,9 +232,8 @@ class EngineHost:
         held = self._held.pop(live.request_id, None)
         if held is not None:
             out = coalesce([held[0], out])[0]
-        # Held tokens go out with this step's outputs (on the send threads) when waiting for the
-        # next token, as long as the last one took, would pass max_hold_s; the timer
-        # (_release_held) is only for a request whose tokens stop coming.
+        # Held tokens go out with this step's output when one more gap like the last would take
+        # them past max_hold_s; the timer (_release_held) is for requests whose tokens stop.
         if out.finished or not live.responded or len(out.token_ids) >= interval \
                 or (held is not None and 2 * now - held[1] - held[2] >= self.max_hold_s):
             return out

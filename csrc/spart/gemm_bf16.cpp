@@ -56,9 +56,7 @@ FD_BF16 inline __m512 rounded(__m512 f) {
 
 // fused_ops' silu_mul (the same bits) on 16 pairs of sums, rounded to bf16.
 FD_BF16 inline __m256i silu_mul_sums(__m512 gate, __m512 up) {
-  const __m512 g = rounded(gate);
-  const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), fd_spart::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(rounded(s), rounded(up)));
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(rounded(fd_spart::silu16(rounded(gate))), rounded(up)));
 }
 
 // Rows [0, R) of x (row stride ldx) times one panel -> y (row stride ldy); up: kGlu's up offset.
